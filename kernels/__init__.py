@@ -1,0 +1,16 @@
+"""Triton kernels, importable as ``tinypaged.kernels`` (this folder is mapped there by pyproject.toml)."""
+
+from tinypaged.kernels.paged_attention import (
+    gather_then_attend,
+    paged_attention_decode,
+    paged_attention_reference,
+)
+from tinypaged.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+
+__all__ = [
+    "paged_attention_decode",
+    "paged_attention_reference",
+    "gather_then_attend",
+    "reshape_and_cache",
+    "reshape_and_cache_reference",
+]

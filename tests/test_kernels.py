@@ -1,0 +1,281 @@
+"""Triton kernels against their PyTorch references.
+
+Without CUDA the kernels run in Triton's interpreter (one program at a time, in
+NumPy), so every case here is kept small: a handful of sequences, contexts of at
+most a few hundred tokens. On a CUDA machine the same tests run compiled.
+"""
+
+import random
+
+import pytest
+import torch
+
+from tinypaged.kernels import (
+    gather_then_attend,
+    paged_attention_decode,
+    paged_attention_reference,
+    reshape_and_cache,
+    reshape_and_cache_reference,
+)
+from tinypaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, _choose_num_splits
+from tinypaged.triton_mode import INTERPRETED
+
+if INTERPRETED:
+    import triton.language as tl
+
+    # Triton's own library functions (tl.zeros, tl.cdiv, ...) are @triton.jit too: if
+    # triton was imported before tinypaged set TRITON_INTERPRET, they were built for the
+    # compiler and every kernel here fails with "Cannot call @triton.jit'd outside of the
+    # scope of a kernel". Say so plainly instead.
+    if type(tl.zeros).__name__ != "InterpretedFunction":
+        raise RuntimeError("triton was imported before tinypaged: import tinypaged first "
+                           "(e.g. in conftest.py) so the Triton interpreter is set up in time")
+
+# (atol, rtol) per dtype. fp32: the kernel and the reference differ only in the
+# order of sums. fp16/bf16: the kernel rounds softmax probabilities to the input
+# dtype before the P @ V product (as FlashAttention does), and the output itself
+# is rounded to fp16 (~1e-3 relative) or bf16 (~8e-3 relative).
+TOLERANCES = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 1e-2),
+    torch.bfloat16: (1.5e-2, 2e-2),
+}
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def device():
+    return "cuda" if CUDA else "cpu"
+
+
+def make_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                     seed=0, shuffle=True, spare_blocks=3):
+    """Random query and caches, with each sequence's pages scattered through the cache.
+
+    Unused block-table entries hold -1, so any read past a sequence's end would fault
+    on a GPU (or index garbage): the kernel must never touch them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = len(seq_lens)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    width = max(blocks_per_seq) + 1  # one spare column: tables are usually wider than needed
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    block_tables = torch.full((num_seqs, width), -1, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        block_tables[s, :nb] = physical[used:used + nb].to(torch.int32)
+        used += nb
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    query = torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+    return (query.to(device), key_cache.to(device), value_cache.to(device),
+            block_tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device))
+
+
+def assert_close(actual, expected, dtype):
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.dtype == expected.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
+
+
+# One line per case: heads (query/KV), head_dim, block size, dtype, context lengths.
+# Together they cover MHA and GQA ratios 2, 3 (SmolLM2: 9q/3kv), 4; head_dim 64/128;
+# block sizes 8..128; 1-token, block-aligned and ragged contexts; fp32 and fp16.
+CASES = [
+    # H, KV, dim, block, dtype,         seq_lens
+    (4, 4, 64, 16, torch.float32, [1, 16, 45]),
+    (4, 2, 128, 8, torch.float32, [24, 3, 1]),
+    (8, 2, 64, 32, torch.float16, [64, 33, 1]),
+    (9, 3, 64, 16, torch.float32, [130, 1, 17]),
+    (9, 3, 64, 128, torch.float16, [128, 5]),
+    (4, 2, 128, 32, torch.float16, [96, 71]),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}q{c[1]}kv-d{c[2]}-b{c[3]}-{str(c[4])[6:]}")
+def test_paged_attention_matches_reference(case, num_splits, device):
+    num_heads, num_kv_heads, head_dim, block_size, dtype, seq_lens = case
+    args = make_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device)
+    scale = head_dim ** -0.5
+    expected = paged_attention_reference(*args, scale)
+    actual = paged_attention_decode(*args, scale, num_splits=num_splits)
+    assert actual.shape == expected.shape
+    assert_close(actual, expected, dtype)
+
+
+def test_random_configs(device):
+    """A seeded sweep over shapes the fixed cases do not pin down."""
+    rng = random.Random(1234)
+    for trial in range(10):
+        num_kv_heads = rng.choice([1, 2, 3])
+        num_heads = num_kv_heads * rng.choice([1, 2, 3, 5])
+        head_dim = rng.choice([32, 64, 128])
+        block_size = rng.choice([8, 16, 32, 64, 128])
+        dtype = rng.choice([torch.float32, torch.float16])
+        seq_lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 3))]
+        num_splits = rng.choice([None, 1, 2, 4])
+        args = make_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device,
+                                seed=trial, shuffle=rng.random() < 0.8)
+        scale = rng.uniform(0.05, 0.3)
+        expected = paged_attention_reference(*args, scale)
+        actual = paged_attention_decode(*args, scale, num_splits=num_splits)
+        assert_close(actual, expected, dtype)
+
+
+def test_more_splits_than_tiles(device):
+    """Splits that receive no tokens must not disturb the merge (they write l = 0)."""
+    args = make_paged_batch([1, 70], 4, 2, 64, 16, torch.float32, device)
+    expected = paged_attention_reference(*args, 0.125)
+    assert_close(paged_attention_decode(*args, 0.125, num_splits=8), expected, torch.float32)
+
+
+def test_block_table_indirection_is_honoured(device):
+    """Same data under two different physical layouts gives the same answer."""
+    seq_lens, shape = [40, 23], (4, 2, 64, 8)
+    shuffled = make_paged_batch(seq_lens, *shape, torch.float32, device, seed=5, shuffle=True)
+    contiguous = make_paged_batch(seq_lens, *shape, torch.float32, device, seed=5, shuffle=False)
+    query, kc, vc, bt, lens = contiguous
+    # Move the contiguous batch's blocks to the shuffled batch's physical positions.
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    real = bt >= 0
+    kc2[shuffled[3][real].long()] = kc[bt[real].long()]
+    vc2[shuffled[3][real].long()] = vc[bt[real].long()]
+    a = paged_attention_decode(query, kc, vc, bt, lens, 0.125)
+    b = paged_attention_decode(query, kc2, vc2, shuffled[3], lens, 0.125)
+    assert_close(a, b, torch.float32)
+
+
+def test_strided_query(device):
+    """Engines slice q out of a fused qkv projection: a non-contiguous view must work."""
+    query, kc, vc, bt, lens = make_paged_batch([30, 9], 4, 2, 64, 16, torch.float32, device)
+    fused = torch.randn(2, 4 + 2 + 2, 64, device=device)
+    fused[:, :4] = query
+    q_view = fused[:, :4]
+    assert not q_view.is_contiguous()
+    expected = paged_attention_reference(query, kc, vc, bt, lens, 0.125)
+    assert_close(paged_attention_decode(q_view, kc, vc, bt, lens, 0.125, num_splits=2), expected, torch.float32)
+
+
+def test_empty_sequence_gives_zeros(device):
+    """A padded batch slot with seq_len 0 yields zeros (not NaN) in every implementation."""
+    query, kc, vc, bt, lens = make_paged_batch([5, 1], 4, 2, 64, 16, torch.float32, device)
+    lens[1] = 0
+    for fn, kw in [(paged_attention_decode, {"num_splits": 1}), (paged_attention_decode, {"num_splits": 2}),
+                   (paged_attention_reference, {}), (gather_then_attend, {})]:
+        out = fn(query, kc, vc, bt, lens, 0.125, **kw)
+        assert torch.all(out[1] == 0), fn.__name__
+
+
+@pytest.mark.skipif(not CUDA, reason="bfloat16 needs a compiled kernel (the interpreter has no bf16)")
+def test_bfloat16(device):
+    args = make_paged_batch([1, 100, 257], 32, 8, 128, 16, torch.bfloat16, device)
+    expected = paged_attention_reference(*args, 128 ** -0.5)
+    for num_splits in (1, 3):
+        assert_close(paged_attention_decode(*args, 128 ** -0.5, num_splits=num_splits), expected, torch.bfloat16)
+
+
+def test_choose_num_splits():
+    # Short contexts: the single-pass kernel.
+    assert _choose_num_splits(1, 8, 512, 132) == 1
+    # A long context with few programs: split, but keep partitions >= MIN_TOKENS_PER_SPLIT.
+    n = _choose_num_splits(1, 8, 8192, 132)
+    assert 1 < n <= 8192 // MIN_TOKENS_PER_SPLIT
+    # A big batch already fills the GPU: no split.
+    assert _choose_num_splits(64, 8, 8192, 132) == 1
+    # Monotone in batch size.
+    counts = [_choose_num_splits(b, 8, 4096, 132) for b in (1, 2, 4, 8, 16, 32, 64)]
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_automatic_split_choice_is_correct(device):
+    # Wide block table (8 * 128 = 1024 tokens of capacity) with one KV head: auto picks > 1 split.
+    args = make_paged_batch([300], 2, 1, 64, 128, torch.float32, device, spare_blocks=6)
+    query, kc, vc, bt, lens = args
+    bt = torch.cat([bt, torch.full((1, 6), -1, dtype=torch.int32, device=device)], dim=1)
+    assert _choose_num_splits(1, 1, bt.shape[1] * 128, 132) > 1
+    expected = paged_attention_reference(query, kc, vc, bt, lens, 0.125)
+    assert_close(paged_attention_decode(query, kc, vc, bt, lens, 0.125), expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gather_then_attend_matches_reference(dtype, device):
+    args = make_paged_batch([1, 16, 50, 33], 9, 3, 64, 16, dtype, device)
+    expected = paged_attention_reference(*args, 0.125)
+    assert_close(gather_then_attend(*args, 0.125), expected, dtype)
+
+
+# ---------------------------------------------------------------- reshape_and_cache
+
+def _slot_mapping(num_tokens, num_blocks, block_size, gen, pad_every=4):
+    """Distinct random slots, with every pad_every-th token marked as padding (-1)."""
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::pad_every] = -1
+    return slots
+
+
+@pytest.mark.parametrize("block_size, num_kv_heads, head_dim, dtype", [
+    (16, 2, 64, torch.float32),
+    (8, 3, 128, torch.float16),
+    (32, 1, 64, torch.float32),
+])
+def test_reshape_and_cache_matches_reference(block_size, num_kv_heads, head_dim, dtype, device):
+    gen = torch.Generator().manual_seed(7)
+    num_tokens, num_blocks = 13, 5
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    slots = _slot_mapping(num_tokens, num_blocks, block_size, gen).to(device)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Start from a recognisable fill so untouched (and -1) slots can be checked.
+    kc = torch.full(cache_shape, 7.0, dtype=dtype, device=device)
+    vc = torch.full(cache_shape, 7.0, dtype=dtype, device=device)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    reshape_and_cache(key, value, kc, vc, slots)
+    reshape_and_cache_reference(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    # Exactly the real tokens were written.
+    written = (kc != 7.0).any(dim=-1).any(dim=-1).sum().item()
+    assert written == int((slots >= 0).sum())
+
+
+def test_reshape_and_cache_int32_slots_and_cast(device):
+    """int32 slot mappings work, and fp32 activations are narrowed into an fp16 cache."""
+    gen = torch.Generator().manual_seed(3)
+    key = torch.randn(6, 2, 64, generator=gen).to(device)
+    value = torch.randn(6, 2, 64, generator=gen).to(device)
+    slots = torch.tensor([5, -1, 0, 17, 31, -1], dtype=torch.int32, device=device)
+    kc = torch.zeros(2, 16, 2, 64, dtype=torch.float16, device=device)
+    vc = torch.zeros_like(kc)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    reshape_and_cache(key, value, kc, vc, slots)
+    reshape_and_cache_reference(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert torch.equal(kc[1, 1], key[3].half())
+
+
+def test_write_then_attend_equals_dense_attention(device):
+    """End to end: cache a sequence's K/V with the slot mapping, then attend through the pages."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_kv_heads, num_heads, head_dim, n = 8, 2, 4, 64, 21
+    table = torch.tensor([6, 1, 3], dtype=torch.int32)              # 3 blocks hold 21 tokens
+    positions = torch.arange(n)
+    slots = table[positions // block_size].long() * block_size + positions % block_size
+    key = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    value = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    query = torch.randn(1, num_heads, head_dim, generator=gen)
+    kc = torch.zeros(8, block_size, num_kv_heads, head_dim)
+    vc = torch.zeros_like(kc)
+    kc, vc, key, value, query = (t.to(device) for t in (kc, vc, key, value, query))
+    reshape_and_cache(key, value, kc, vc, slots.to(device))
+
+    out = paged_attention_decode(query, kc, vc, table[None].to(device),
+                                 torch.tensor([n], dtype=torch.int32, device=device), 0.125)
+    # Dense attention over the original, unpaged K/V.
+    k = key.repeat_interleave(2, dim=1)
+    v = value.repeat_interleave(2, dim=1)
+    probs = torch.softmax(torch.einsum("hd,nhd->hn", query[0], k) * 0.125, dim=-1)
+    dense = torch.einsum("hn,nhd->hd", probs, v)
+    assert_close(out[0], dense, torch.float32)

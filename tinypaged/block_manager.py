@@ -1,0 +1,314 @@
+"""Stages 2 and 3: the paged KV cache's memory manager (PagedAttention's "virtual memory").
+
+The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. A sequence owns
+a *block table*: logical block i (its tokens ``i*block_size`` .. ``(i+1)*block_size - 1``) lives
+in physical block ``block_table[i]``. Token at position p is written to slot
+``block_table[p // block_size] * block_size + p % block_size``.
+
+Invariants (checked by the property tests):
+
+* A block is either in the free queue (``ref_cnt == 0``) or referenced by ``ref_cnt`` block tables,
+  never both; every block is one or the other.
+* Blocks are allocated one at a time as a sequence grows, never reserved up front, so the only
+  waste is the unfilled tail of each sequence's last block.
+* Sharing (stage 3): ``fork`` gives a child the parent's table and bumps each block's ``ref_cnt``.
+  A block is written only when its ``ref_cnt`` is 1: before a sequence appends into a shared,
+  partially filled block, it gets a private copy (copy-on-write).
+* Prefix caching (stage 3): a block's hash is registered once the block is *full* of known tokens.
+  The hash chains the parent block's hash with the block's token ids, so equal hashes mean equal
+  whole prefixes. A block whose ``ref_cnt`` drops to 0 keeps its hash and joins the tail of the
+  free queue, which is therefore an LRU cache: allocation takes the head, and drops that block's
+  stale hash before reuse. A cache hit on a free block takes it out of the queue. Sequences free
+  their blocks tail first, so the ends of prefix chains are evicted before their beginnings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+# The first block of every chain hashes against this fixed seed (deterministic across runs).
+ROOT_HASH = hashlib.sha256(b"tinypaged-prefix-root").digest()
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
+    """SHA-256 of (parent hash, this block's token ids, extra keys such as a LoRA id)."""
+    payload = pickle.dumps((parent_hash or ROOT_HASH, tuple(token_ids), extra_keys), protocol=5)
+    return hashlib.sha256(payload).digest()
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple = field(default=(), repr=False)  # kept with the hash to rule out collisions
+
+    def __repr__(self) -> str:
+        cached = "" if self.block_hash is None else f", hash={self.block_hash.hex()[:8]}"
+        return f"Block({self.block_id}, ref={self.ref_cnt}{cached})"
+
+
+class BlockPool:
+    """All physical blocks, the free queue (LRU order) and the prefix-hash index."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[bytes, Block] = {}  # hash -> block holding that prefix block
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def allocate(self) -> Block:
+        """Take the least recently freed block; forget the prefix it held (its hash is stale now)."""
+        if not self.free_queue:
+            raise RuntimeError("no free KV blocks")
+        _, block = self.free_queue.popitem(last=False)
+        if block.block_hash is not None:
+            if self.cached.get(block.block_hash) is block:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+            self.num_evictions += 1
+        block.ref_cnt = 1
+        return block
+
+    def touch(self, block: Block) -> None:
+        """One more table refers to ``block`` (a cache hit or a fork)."""
+        if block.ref_cnt == 0:
+            del self.free_queue[block.block_id]
+        block.ref_cnt += 1
+
+    def release(self, blocks) -> None:
+        """Drop one reference from each block, in the order given; unreferenced ones join the queue tail."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block.block_id] = block
+
+    def register(self, block: Block, block_hash: bytes, token_ids: tuple) -> None:
+        block.block_hash, block.token_ids = block_hash, token_ids
+        self.cached.setdefault(block_hash, block)
+
+    def lookup(self, block_hash: bytes, token_ids: tuple) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != token_ids:  # a collision would be caught here
+            return None
+        return block
+
+
+class BlockManager:
+    """Block tables for sequences: allocation as they grow, sharing, copy-on-write, prefix caching.
+
+    ``copy_block(src, dst)`` and ``swap`` callbacks are supplied by the engine: they move the
+    actual tensors. The manager only decides *which* blocks; it never touches KV data itself.
+    """
+
+    kind = "paged"
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 copy_block=None, num_cpu_blocks: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.copy_block = copy_block or (lambda src, dst: None)
+        self.tables: dict[int, list[Block]] = {}  # seq_id -> its blocks (logical order)
+        self.hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full blocks, as far as known
+        self.cpu_free = list(range(num_cpu_blocks))
+        self.swapped: dict[int, list[int]] = {}  # seq_id -> CPU block ids holding its KV
+        self.num_cow_copies = 0
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found cached
+
+    # -- sizes -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def tokens_needed(self, seq) -> int:
+        return len(seq)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return blocks_needed(num_tokens, self.block_size)
+
+    # -- prefix caching -----------------------------------------------------------------
+    def _full_block_hashes(self, seq, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens (memoised per seq)."""
+        hashes = self.hashes.setdefault(seq.seq_id, [])
+        tokens = seq.token_ids
+        bs = self.block_size
+        while len(hashes) < num_tokens // bs:
+            i = len(hashes)
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes[: num_tokens // bs]
+
+    def get_computed_blocks(self, seq) -> list[Block]:
+        """The longest cached prefix of ``seq``'s known tokens, in whole blocks.
+
+        The hit is capped at ``len(seq) - 1`` tokens: the last token must run through the model
+        so there are logits to sample from, even when the whole prompt is cached.
+        """
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        tokens = seq.token_ids
+        found = []
+        bs = self.block_size
+        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1)):
+            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
+        self.prefix_queries += len(seq)
+        self.prefix_hits += num_hit_tokens
+
+    # -- allocation ---------------------------------------------------------------------
+    def _cow_needed(self, table: list[Block], num_computed: int) -> bool:
+        """Appending at ``num_computed`` writes into the last block: is that block shared?"""
+        return bool(table) and num_computed % self.block_size != 0 and table[-1].ref_cnt > 1 \
+            and num_computed // self.block_size == len(table) - 1
+
+    def can_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
+        table = self.tables.get(seq.seq_id, [])
+        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = self.blocks_for(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
+        need += self._cow_needed(table, num_computed)
+        # Cached blocks sitting in the free queue stop being free once this sequence takes them.
+        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        return max(need, 0) + reclaimed <= self.pool.num_free
+
+    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``seq``; False (and no change) if blocks are short.
+
+        ``computed_blocks`` (from ``get_computed_blocks``) join the table first and advance
+        ``seq.num_computed_tokens``: prefill then starts after them.
+        """
+        if not self.can_allocate(seq, num_new_tokens, computed_blocks):
+            return False
+        table = self.tables.setdefault(seq.seq_id, [])
+        for block in computed_blocks:
+            self.pool.touch(block)
+            table.append(block)
+        if computed_blocks:
+            seq.num_computed_tokens += len(computed_blocks) * self.block_size
+        if self._cow_needed(table, seq.num_computed_tokens):
+            shared = table[-1]
+            private = self.pool.allocate()
+            self.copy_block(shared.block_id, private.block_id)  # done now, before the forward reads it
+            self.pool.release([shared])
+            table[-1] = private
+            self.num_cow_copies += 1
+        while len(table) < self.blocks_for(seq.num_computed_tokens + num_new_tokens):
+            table.append(self.pool.allocate())
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, seq.num_computed_tokens + num_new_tokens)
+        seq.block_table = [b.block_id for b in table]
+        return True
+
+    def _register_full_blocks(self, seq, num_tokens: int) -> None:
+        """Publish the hash of every block this step fills: its tokens are known, its KV is written
+        by this step's forward before any later step (or later attention layer) can read it."""
+        table = self.tables[seq.seq_id]
+        tokens = seq.token_ids
+        bs = self.block_size
+        for i, h in enumerate(self._full_block_hashes(seq, min(num_tokens, len(tokens)))):
+            block = table[i]
+            if block.block_hash is None:
+                self.pool.register(block, h, tuple(tokens[i * bs:(i + 1) * bs]))
+
+    def fork(self, parent, child) -> None:
+        """``child`` shares every block of ``parent`` (reference counts go up; nothing is copied)."""
+        blocks = self.tables.get(parent.seq_id, [])
+        for block in blocks:
+            self.pool.touch(block)
+        self.tables[child.seq_id] = list(blocks)
+        self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
+        child.block_table = list(parent.block_table)
+
+    def free(self, seq) -> None:
+        """Release ``seq``'s blocks, tail first (see the eviction-order invariant above)."""
+        blocks = self.tables.pop(seq.seq_id, [])
+        self.pool.release(reversed(blocks))
+        self.hashes.pop(seq.seq_id, None)
+        seq.block_table = []
+
+    # -- swapping (preemption_mode="swap") ------------------------------------------------
+    def can_swap_out(self, seq) -> bool:
+        return len(self.tables.get(seq.seq_id, [])) <= len(self.cpu_free)
+
+    def swap_out(self, seq, copy_to_cpu) -> None:
+        blocks = self.tables.get(seq.seq_id, [])
+        cpu_ids = [self.cpu_free.pop() for _ in blocks]
+        copy_to_cpu([b.block_id for b in blocks], cpu_ids)
+        self.swapped[seq.seq_id] = cpu_ids
+        self.tables.pop(seq.seq_id)
+        self.pool.release(reversed(blocks))
+        seq.block_table = []
+
+    def can_swap_in(self, seq) -> bool:
+        return len(self.swapped.get(seq.seq_id, [])) + 1 <= self.pool.num_free
+
+    def swap_in(self, seq, copy_to_gpu) -> None:
+        cpu_ids = self.swapped.pop(seq.seq_id)
+        blocks = [self.pool.allocate() for _ in cpu_ids]
+        copy_to_gpu(cpu_ids, [b.block_id for b in blocks])
+        self.cpu_free.extend(cpu_ids)
+        self.tables[seq.seq_id] = blocks
+        seq.block_table = [b.block_id for b in blocks]
+
+    # -- addressing and accounting ------------------------------------------------------
+    def slot(self, seq, position: int) -> int:
+        table = seq.block_table
+        return table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def stats(self) -> dict:
+        used = self.pool.num_blocks - self.pool.num_free
+        live_tokens = 0
+        distinct: set[int] = set()
+        for seq_id, blocks in self.tables.items():
+            distinct.update(b.block_id for b in blocks)
+        # token states: each distinct referenced block holds its slots up to the furthest writer
+        shared = sum(1 for b in self.pool.blocks if b.ref_cnt > 1)
+        return {
+            "kv_num_blocks": self.pool.num_blocks,
+            "kv_block_size": self.block_size,
+            "kv_blocks_used": used,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_cache_usage": used / self.pool.num_blocks,
+            "kv_blocks_shared": shared,
+            "kv_blocks_cached": len(self.pool.cached),
+            "cow_copies": self.num_cow_copies,
+            "prefix_cache_queries": self.prefix_queries,
+            "prefix_cache_hits": self.prefix_hits,
+            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
+            "prefix_cache_evictions": self.pool.num_evictions,
+            "kv_blocks_referenced": len(distinct) + live_tokens,
+        }

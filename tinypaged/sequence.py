@@ -1,0 +1,116 @@
+"""A Sequence: one stream of tokens the engine is producing (a request with n samples has n)."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from tinypaged.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed / swapped back in
+    RUNNING = "running"
+    SWAPPED = "swapped"  # preempted by swapping its blocks to CPU memory
+    FINISHED = "finished"
+
+
+@dataclass
+class SequenceTimes:
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """Token ids, progress and KV placement of one sequence.
+
+    ``num_computed_tokens`` counts tokens whose keys and values are in the cache. The tokens from
+    there to the end still have to run through the model (the whole prompt at first, one token
+    per decode step, everything again after a recompute preemption).
+
+    Placement is written by the KV-cache manager only: ``block_table`` (paged) or ``kv_region``
+    (contiguous: ``(start, reserved_tokens)``).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        arrival_time: float = 0.0,
+        generator: torch.Generator | None = None,
+    ):
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.generator = generator
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache hit of the latest admission
+        self.block_table: list[int] = []
+        self.kv_region: tuple[int, int] | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.text = ""
+        self.times = SequenceTimes(arrival=arrival_time)
+        self.num_preemptions = 0
+
+    # -- tokens --------------------------------------------------------------------------
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """One new token to feed, whose predecessor is cached: a decode step. Anything else is prefill."""
+        return bool(self.output_token_ids) and self.num_uncomputed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def max_total_tokens(self, max_model_len: int) -> int:
+        """The longest this sequence can get: prompt + max_tokens, capped by max_model_len."""
+        cap = max_model_len if self.params.max_tokens is None else len(self.prompt_token_ids) + self.params.max_tokens
+        return min(cap, max_model_len)
+
+    def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
+        """A child with the same tokens and progress (its KV blocks are shared by the block manager)."""
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, index, self.times.arrival, generator)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        child.cumulative_logprob = self.cumulative_logprob
+        child.times.first_scheduled = self.times.first_scheduled
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, len={len(self)}, "
+            f"computed={self.num_computed_tokens}, status={self.status.value})"
+        )
