@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: set up, then package tests and nbval on every notebook.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export PATH="$PWD/.venv/bin:$PATH" PYTHONHASHSEED=0 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
+export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
+python -m tinypaged.coursework check             # exercises must match their solutions
+python -m pytest -q tests "$@"
+# Notebooks and solutions: strict output comparison. Exercises: run, outputs not compared.
+python -m pytest -q -p no:randomly --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
+python -m pytest -q --nbval-lax --nbval-current-env exercises
