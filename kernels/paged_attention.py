@@ -64,6 +64,7 @@ def _paged_attention_kernel(
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,          # True: write partial results for the reduce kernel
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so the GPU does not round to TF32
+    ACC_DTYPE: tl.constexpr,      # softmax state: fp32, or fp64 for fp64 inputs
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -87,10 +88,10 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
 
-    # Online softmax state, in fp32 whatever the input dtype.
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)   # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)                 # running sum of exp2
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=tl.float32)        # running sum of p * v
+    # Online softmax state: fp32 for 16/32-bit inputs, fp64 for fp64 (exact tests).
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=ACC_DTYPE)    # running max (log2 units)
+    l_i = tl.zeros([GROUP_PAD], dtype=ACC_DTYPE)                  # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=ACC_DTYPE)         # running sum of p * v
 
     bt_row = block_tables_ptr + seq * stride_bts
     for tile_start in range(start, end, TILE_N):
@@ -234,7 +235,8 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
         HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         TILE_N=TILE_TOKENS,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
+        DOT_PRECISION="ieee" if query.dtype in (torch.float32, torch.float64) else "tf32",  # 16-bit: ignored
+        ACC_DTYPE=tl.float64 if query.dtype == torch.float64 else tl.float32,
     )
     grid = (num_seqs, num_kv_heads, num_splits)
     common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E,
@@ -249,8 +251,9 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
             SPLIT=False, **meta)
         return out
 
-    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-    maxes = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=acc_dtype, device=query.device)
+    maxes = torch.empty(num_seqs, num_heads, num_splits, dtype=acc_dtype, device=query.device)
     sums = torch.empty_like(maxes)
     _paged_attention_kernel[grid](
         partial, maxes, sums, *common,
@@ -268,25 +271,26 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
 def paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=None):
     """The spec: for each sequence, gather its keys/values through its block table and attend.
 
-    Computed in fp32, returned in query's dtype. ``num_splits`` is accepted for a
+    Computed in fp32 (fp64 for fp64 inputs), returned in query's dtype. ``num_splits`` is accepted for a
     uniform signature and ignored (splitting changes the order of sums, not the answer).
     """
     _check(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     queries_per_kv = num_heads // num_kv_heads
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     out = torch.empty_like(query)
     for s in range(num_seqs):
         n = int(seq_lens[s])
         positions = torch.arange(n, device=query.device)
         blocks = block_tables[s, positions // block_size].long()
         offsets = positions % block_size
-        k = key_cache[blocks, offsets].float()    # [n, num_kv_heads, head_dim]
-        v = value_cache[blocks, offsets].float()
+        k = key_cache[blocks, offsets].to(compute)    # [n, num_kv_heads, head_dim]
+        v = value_cache[blocks, offsets].to(compute)
         # Query head h reads KV head h // queries_per_kv.
         k = k.repeat_interleave(queries_per_kv, dim=1)
         v = v.repeat_interleave(queries_per_kv, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[s].float(), k) * scale
+        scores = torch.einsum("hd,nhd->hn", query[s].to(compute), k) * scale
         probs = torch.softmax(scores, dim=-1)
         out[s] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
     return out
@@ -315,11 +319,12 @@ def gather_then_attend(query, key_cache, value_cache, block_tables, seq_lens, sc
     v = value_cache[blocks, offsets]
 
     # GQA without copying K/V per query head: view the query as [seq, kv_head, group, dim].
-    q = query.float().reshape(num_seqs, num_kv_heads, queries_per_kv, head_dim)
-    scores = torch.einsum("skgd,snkd->skgn", q, k.float()) * scale
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q = query.to(compute).reshape(num_seqs, num_kv_heads, queries_per_kv, head_dim)
+    scores = torch.einsum("skgd,snkd->skgn", q, k.to(compute)) * scale
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A 0-length sequence would give NaN rows; make them zero like the kernel does.
     probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.einsum("skgn,snkd->skgd", probs, v.float())
+    out = torch.einsum("skgn,snkd->skgd", probs, v.to(compute))
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

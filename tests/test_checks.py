@@ -3,7 +3,7 @@
 import pytest
 
 from tinypaged import checks
-from tests.adapters import implementation
+from adapters import implementation
 
 checks._load_all()
 

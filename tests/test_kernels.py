@@ -39,6 +39,8 @@ TOLERANCES = {
     torch.float32: (1e-4, 1e-4),
     torch.float16: (2e-3, 1e-2),
     torch.bfloat16: (1.5e-2, 2e-2),
+    # fp64 keeps its softmax state in fp64; the scale reaches the kernel as an fp32 scalar.
+    torch.float64: (1e-6, 1e-6),
 }
 
 CUDA = torch.cuda.is_available()
@@ -83,7 +85,7 @@ def assert_close(actual, expected, dtype):
 
 # One line per case: heads (query/KV), head_dim, block size, dtype, context lengths.
 # Together they cover MHA and GQA ratios 2, 3 (SmolLM2: 9q/3kv), 4; head_dim 64/128;
-# block sizes 8..128; 1-token, block-aligned and ragged contexts; fp32 and fp16.
+# block sizes 8..128; 1-token, block-aligned and ragged contexts; fp32, fp16 and fp64.
 CASES = [
     # H, KV, dim, block, dtype,         seq_lens
     (4, 4, 64, 16, torch.float32, [1, 16, 45]),
@@ -92,6 +94,7 @@ CASES = [
     (9, 3, 64, 16, torch.float32, [130, 1, 17]),
     (9, 3, 64, 128, torch.float16, [128, 5]),
     (4, 2, 128, 32, torch.float16, [96, 71]),
+    (4, 2, 16, 8, torch.float64, [1, 20, 9]),     # the "tiny" model's shape, fp64 (exact engine tests)
 ]
 
 

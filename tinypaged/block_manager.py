@@ -20,6 +20,9 @@ Invariants (checked by the property tests):
   free queue, which is therefore an LRU cache: allocation takes the head, and drops that block's
   stale hash before reuse. A cache hit on a free block takes it out of the queue. Sequences free
   their blocks tail first, so the ends of prefix chains are evicted before their beginnings.
+* The hash index only points at blocks whose current hash is that key; lookups are capped at
+  ``len(seq) - 1`` tokens, and the hit rate (``record_prefix_lookup``) is counted in tokens, only
+  while prefix caching is on.
 """
 
 from __future__ import annotations
@@ -63,7 +66,9 @@ class BlockPool:
             raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[bytes, Block] = {}  # hash -> block holding that prefix block
+        # hash -> the blocks holding that prefix block (two requests prefilled in the same step can
+        # compute the same block twice; both copies stay findable until evicted)
+        self.cached: dict[bytes, dict[int, Block]] = {}
         self.num_evictions = 0
 
     @property
@@ -80,8 +85,10 @@ class BlockPool:
             raise RuntimeError("no free KV blocks")
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
+            holders = self.cached.get(block.block_hash, {})
+            holders.pop(block.block_id, None)
+            if not holders:
+                self.cached.pop(block.block_hash, None)
             block.block_hash, block.token_ids = None, ()
             self.num_evictions += 1
         block.ref_cnt = 1
@@ -104,13 +111,21 @@ class BlockPool:
 
     def register(self, block: Block, block_hash: bytes, token_ids: tuple) -> None:
         block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, block)
+        self.cached.setdefault(block_hash, {})[block.block_id] = block
 
     def lookup(self, block_hash: bytes, token_ids: tuple) -> Block | None:
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != token_ids:  # a collision would be caught here
+        holders = self.cached.get(block_hash)
+        if not holders:
+            return None
+        block = next(iter(holders.values()))
+        if block.token_ids != token_ids:  # a hash collision would be caught here
             return None
         return block
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable by hash (in use or waiting in the free queue)."""
+        return sum(len(h) for h in self.cached.values())
 
 
 class BlockManager:
@@ -187,6 +202,9 @@ class BlockManager:
         return found
 
     def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
+        """Count a new request's lookup, in tokens (vLLM's hit rate); nothing when caching is off."""
+        if not self.enable_prefix_caching:
+            return
         self.prefix_queries += len(seq)
         self.prefix_hits += num_hit_tokens
 
@@ -291,11 +309,8 @@ class BlockManager:
 
     def stats(self) -> dict:
         used = self.pool.num_blocks - self.pool.num_free
-        live_tokens = 0
-        distinct: set[int] = set()
-        for seq_id, blocks in self.tables.items():
-            distinct.update(b.block_id for b in blocks)
-        # token states: each distinct referenced block holds its slots up to the furthest writer
+        # without sharing every table would own its blocks: the sum of table lengths
+        unshared = sum(len(blocks) for blocks in self.tables.values())
         shared = sum(1 for b in self.pool.blocks if b.ref_cnt > 1)
         return {
             "kv_num_blocks": self.pool.num_blocks,
@@ -304,11 +319,12 @@ class BlockManager:
             "kv_blocks_free": self.pool.num_free,
             "kv_cache_usage": used / self.pool.num_blocks,
             "kv_blocks_shared": shared,
-            "kv_blocks_cached": len(self.pool.cached),
+            "kv_blocks_cached": self.pool.num_cached,
             "cow_copies": self.num_cow_copies,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "prefix_cache_evictions": self.pool.num_evictions,
-            "kv_blocks_referenced": len(distinct) + live_tokens,
+            "kv_blocks_referenced": used,
+            "kv_blocks_unshared": unshared,
         }

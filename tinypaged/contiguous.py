@@ -37,6 +37,29 @@ def reservation_tokens(policy: str, final_len: int, max_model_len: int) -> int:
     raise ValueError(f"Unknown reservation policy {policy!r}; choose one of {POLICIES}")
 
 
+def free_holes(regions: list[tuple[int, int]], capacity: int) -> list[tuple[int, int]]:
+    """The free gaps between ``regions`` ((start, size) pairs sorted by start) as (start, size), in address order."""
+    gaps, cursor = [], 0
+    for start, size in regions:
+        if start > cursor:
+            gaps.append((cursor, start - cursor))
+        cursor = start + size
+    if cursor < capacity:
+        gaps.append((cursor, capacity - cursor))
+    return gaps
+
+
+def first_fit(holes: list[tuple[int, int]], size: int) -> int | None:
+    """Start of the first hole (in address order) with room for ``size`` slots; None when none has.
+
+    None can happen while the holes add up to far more than ``size``: that is external fragmentation.
+    """
+    for start, gap in holes:
+        if gap >= size:
+            return start
+    return None
+
+
 @dataclass
 class Region:
     start: int
@@ -58,20 +81,10 @@ class ContiguousArena:
 
     def holes(self) -> list[tuple[int, int]]:
         """Free gaps as (start, size), in address order."""
-        gaps, cursor = [], 0
-        for r in self.regions:
-            if r.start > cursor:
-                gaps.append((cursor, r.start - cursor))
-            cursor = r.start + r.size
-        if cursor < self.capacity:
-            gaps.append((cursor, self.capacity - cursor))
-        return gaps
+        return free_holes([(r.start, r.size) for r in self.regions], self.capacity)
 
     def first_fit(self, size: int) -> int | None:
-        for start, gap in self.holes():
-            if gap >= size:
-                return start
-        return None
+        return first_fit(self.holes(), size)
 
     def allocate(self, size: int, owner: object) -> int | None:
         """Reserve ``size`` contiguous slots; None when no single hole is large enough."""
@@ -83,6 +96,7 @@ class ContiguousArena:
         return start
 
     def free(self, owner: object) -> None:
+        """Release ``owner``'s region; its slots merge with any neighbouring holes (regions never move)."""
         self.regions = [r for r in self.regions if r.owner is not owner]
 
     @property
@@ -145,7 +159,7 @@ class ContiguousKVManager:
         return seq.kv_region[0] + position
 
     def stats(self) -> dict:
-        used = sum(len(s) for s in self.live.values())
+        used = sum(s.num_computed_tokens for s in self.live.values())  # slots whose K/V are written
         final = sum(min(s.max_total_tokens(self.max_model_len), s.kv_region[1]) for s in self.live.values())
         reserved = self.arena.reserved
         return {

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
 from tinypaged.config import EngineConfig
 from tinypaged.llm_engine import LLMEngine
-from tinypaged.outputs import RequestOutput
+from tinypaged.outputs import RequestOutput, StreamOutput
 from tinypaged.sampling_params import SamplingParams
 
 
@@ -27,13 +28,8 @@ class LLM:
         self._counter += 1
         return str(self._counter - 1)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
-        """Run prompts to completion; results come back in input order.
-
-        Every request is validated before any work starts: a bad one raises ValueError naming it.
-        ``arrival_times`` (seconds from now) replay a trace; ``on_step`` sees each StepResult.
-        """
+    def _submit(self, prompts, sampling_params, arrival_times) -> list:
+        """Tokenize and validate every request, then queue them all (nothing is queued if one is bad)."""
         single = isinstance(prompts, (str, dict))
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
@@ -41,23 +37,59 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, SequenceABC) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if arrival_times is not None and len(arrival_times) != len(prompts):
+            raise ValueError(f"Got {len(arrival_times)} arrival_times for {len(prompts)} prompts")
         engine = self.llm_engine
         engine.reset_clock()
         arrivals = arrival_times or [0.0] * len(prompts)
         requests = [engine.make_request(self._next_id(), p, sp, t) for p, sp, t in zip(prompts, params, arrivals)]
         for req in requests:
             engine.enqueue(req)
+        return requests
+
+    def _steps(self, pending: set[str]):
+        """Step the engine until every request in ``pending`` has finished; yields each StepResult."""
+        engine = self.llm_engine
+        while pending:
+            step = engine.step()
+            pending.difference_update(out.request_id for out in step.finished)
+            yield step
+            if not step.scheduled:
+                _wait_for_next_arrival(engine)
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
+        """Run prompts to completion; results come back in input order.
+
+        Every request is validated before any work starts: a bad one raises ValueError naming it.
+        ``arrival_times`` (seconds from now) replay a trace; ``on_step`` sees each StepResult.
+        """
+        requests = self._submit(prompts, sampling_params, arrival_times)
         order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        while engine.has_unfinished_requests():
-            step = engine.step()
+        for step in self._steps(set(order)):
             if on_step is not None:
                 on_step(step)
             for out in step.finished:
-                results[order[out.request_id]] = out
-            if not step.scheduled:
-                _wait_for_next_arrival(engine)
+                if out.request_id in order:  # requests added through the engine finish here too
+                    results[order[out.request_id]] = out
         return results
+
+    def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                        arrival_times: list[float] | None = None) -> Iterator[StreamOutput]:
+        """Like ``generate``, but yields a StreamOutput for every sequence that got a token in a step,
+        as soon as that step is done (the text delta is what a chat UI would append)."""
+        requests = self._submit(prompts, sampling_params, arrival_times)
+        tok = self.get_tokenizer()
+        sent: dict[int, int] = {}  # seq_id -> characters already streamed
+        for step in self._steps({req.request_id for req in requests}):
+            for seq in step.sampled:
+                text, settled = _text_so_far(tok, seq)
+                start = sent.get(seq.seq_id, 0)
+                end = max(start, settled)
+                sent[seq.seq_id] = end
+                yield StreamOutput(seq.request_id, seq.index, text[start:end], [step.new_tokens[seq.seq_id]],
+                                   seq.is_finished, seq.finish_reason, seq.stop_reason)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
@@ -81,3 +113,19 @@ def _wait_for_next_arrival(engine: LLMEngine) -> None:
         delay = waiting[0].times.arrival - engine.clock()
         if delay > 0:
             time.sleep(min(delay, 0.05))
+
+
+def _text_so_far(tok, seq) -> tuple[str, int]:
+    """A sequence's text and how much of it is settled: a finished one is settled (cut at its stop
+    string); a running one holds back a trailing partial UTF-8 character and, when it has stop
+    strings, the last ``len(longest stop) - 1`` characters, which a stop string may still claim."""
+    if seq.is_finished and isinstance(seq.stop_reason, str):
+        return seq.text, len(seq.text)
+    text = tok.decode(seq.output_token_ids, skip_special_tokens=True)
+    if seq.is_finished:
+        return text, len(text)
+    settled = len(text.rstrip("\ufffd"))
+    stops = seq.params.stop_strings
+    if stops:
+        settled = min(settled, len(text) - (max(map(len, stops)) - 1))
+    return text, max(settled, 0)

@@ -58,6 +58,7 @@ class StepResult:
     new_tokens: dict[int, int]  # seq_id -> token sampled this step
     preempted: list[Sequence]
     finished: list[RequestOutput]
+    sampled: list[Sequence] = field(default_factory=list)  # sequences that got a token, as new_tokens
 
     def trace(self) -> str:
         """One line per step, stable across machines (ids and counts only)."""
@@ -168,8 +169,19 @@ class LLMEngine:
     def tokenizer(self):
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.config.model)
+            if self._tokenizer is None:
+                raise ValueError(f"Model {self.config.model!r} ships no tokenizer: pass prompts as "
+                                 f"{{'prompt_token_ids': [...]}} and read token_ids from the outputs")
             self.eos_token_ids |= eos_token_ids(self.config.model, self._tokenizer)
         return self._tokenizer
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` (empty for a model without a tokenizer)."""
+        try:
+            tok = self.tokenizer
+        except ValueError:
+            return ""
+        return tok.decode(token_ids, skip_special_tokens=True)
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0
@@ -248,6 +260,7 @@ class LLMEngine:
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 self._append_token(seq, tok, lp, now)
                 result.new_tokens[seq.seq_id] = tok
+                result.sampled.append(seq)
             for seq in seqs:
                 if seq.is_finished:
                     self.scheduler.finish(seq)
@@ -314,7 +327,7 @@ class LLMEngine:
         outs = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
             if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
-                seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                seq.text = self.detokenize(seq.output_token_ids)
             outs.append(CompletionOutput(seq.index, seq.text, list(seq.output_token_ids), seq.cumulative_logprob,
                                          seq.finish_reason, seq.stop_reason))
         s0 = req.seqs[0]
@@ -328,9 +341,7 @@ class LLMEngine:
     # -- accounting ------------------------------------------------------------------------
     def _record(self, out, result) -> None:
         sched = self.scheduler
-        if self.config.scheduler == "static":
-            busy = len(sched.running) + sum(1 for r in result.finished)
-            busy = min(busy, sched.static_batch_size)
+        if self.config.scheduler == "static":  # slots of the static batch that did no work this step
             self.counters["num_busy_slot_steps"] += len(out.scheduled)
             self.counters["num_idle_slot_steps"] += max(sched.static_batch_size - len(out.scheduled), 0)
         self.history.append({

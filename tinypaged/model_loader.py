@@ -153,9 +153,12 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
 
 
 def load_tokenizer(model: str):
+    """The model's Hugging Face tokenizer, or None for a folder that ships none (token-id prompts only)."""
     from transformers import AutoTokenizer
 
     folder = smollm2_folder() if model == TINY else resolve_model_folder(model)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
     return AutoTokenizer.from_pretrained(folder)
 
 

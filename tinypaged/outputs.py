@@ -50,3 +50,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+
+@dataclass
+class StreamOutput:
+    """One piece of a stream (``LLM.generate_stream``): what one sequence produced in one step.
+
+    Joining the ``text`` of every piece with the same ``(request_id, index)`` gives exactly the
+    final ``CompletionOutput.text`` (text that could still turn into a stop string, or an
+    incomplete UTF-8 character, is held back until it is settled).
+    """
+
+    request_id: str
+    index: int
+    text: str  # new text since this sequence's previous piece (may be "")
+    token_ids: list[int]  # new token ids
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

@@ -72,6 +72,8 @@ class Scheduler:
 
     # -- continuous batching ---------------------------------------------------------------
     def _schedule_continuous(self) -> SchedulerOutput:
+        """vLLM v1's step: running sequences in admission order (preempting from the tail when blocks
+        run out), then, if nothing was preempted, waiting ones in queue order with the leftover budget."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -102,34 +104,47 @@ class Scheduler:
                     break
                 self.kv.swap_in(seq, self.swapper.copy_to_gpu)
                 seq.status = SequenceStatus.WAITING
-            computed = self.kv.get_computed_blocks(seq) if self.kv.kind == "paged" else []
-            num_new = seq.num_uncomputed_tokens - len(computed) * getattr(self.kv, "block_size", 1)
+            computed = self._prefix_hit(seq)
+            num_new = seq.num_uncomputed_tokens - self._hit_tokens(computed)
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            kind = "decode" if seq.is_decoding else "prefill"  # a swapped-in sequence resumes decoding
             if not self._allocate(seq, num_new, computed):
                 break
-            self._admit(seq, num_new, len(computed), out)
+            self.waiting.popleft()
+            self._start_running(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new, kind))
             budget -= num_new
         return out
 
-    def _allocate(self, seq, num_new, computed) -> bool:
-        if self.kv.kind == "paged":
-            return self.kv.allocate_slots(seq, num_new, computed)
-        return self.kv.allocate_slots(seq, num_new)
+    # -- shared helpers ----------------------------------------------------------------------
+    def _prefix_hit(self, seq) -> list:
+        """Cached blocks holding the start of ``seq`` (paged KV with prefix caching; else none)."""
+        return self.kv.get_computed_blocks(seq) if self.kv.kind == "paged" else []
 
-    def _admit(self, seq, num_new, num_hit_blocks, out) -> None:
-        if self.kv.kind == "paged" and seq.num_computed_tokens - num_hit_blocks * self.kv.block_size == 0:
-            hit = num_hit_blocks * self.kv.block_size
-            seq.num_cached_tokens = hit
-            self.kv.record_prefix_lookup(seq, hit)
-        self.waiting.popleft()
+    def _hit_tokens(self, computed) -> int:
+        return len(computed) * self.kv.block_size if computed else 0
+
+    def _allocate(self, seq, num_new: int, computed) -> bool:
+        """Room for ``num_new`` more tokens after the cached blocks ``computed``. A sequence starting
+        from scratch (new, or preempted by recompute) also records its prefix-cache lookup."""
+        if self.kv.kind != "paged":
+            return self.kv.allocate_slots(seq, num_new)
+        fresh = seq.num_computed_tokens == 0
+        if not self.kv.allocate_slots(seq, num_new, computed):
+            return False
+        if fresh:
+            seq.num_cached_tokens = self._hit_tokens(computed)
+            self.kv.record_prefix_lookup(seq, seq.num_cached_tokens)
+        return True
+
+    def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         if seq.times.first_scheduled is None:
             seq.times.first_scheduled = self.clock()
-        self.running.append(seq)
-        out.scheduled.append(ScheduledSeq(seq, num_new, "decode" if seq.is_decoding else "prefill"))
+        self.running.append(seq)  # so running is in admission order: the tail is the next victim
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
@@ -148,46 +163,41 @@ class Scheduler:
                        seq.seq_id, seq.request_id, how, self.num_preemptions)
 
     # -- static batching -------------------------------------------------------------------
-    def _worst_case_fits(self, seq, reserved_tokens: int) -> bool:
-        """Static batching admits a request only if its longest possible length is guaranteed."""
-        need = seq.max_total_tokens(self.config.max_model_len)
-        if self.kv.kind == "paged":
-            used_blocks = self.kv.num_blocks - self.kv.num_free_blocks
-            return used_blocks + self.kv.blocks_for(reserved_tokens) + self.kv.blocks_for(need) <= self.kv.num_blocks
-        return True  # contiguous: the arena itself reserves the region up front (or refuses)
+    def _form_static_batch(self) -> None:
+        """Admit up to ``max_num_seqs`` arrived requests, each only if the memory it could ever need
+        (prompt + max_tokens) is guaranteed next to the others': a static batch never preempts."""
+        reserved_blocks = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._arrived(seq):
+                break
+            if self.kv.kind == "paged":
+                need = self.kv.blocks_for(seq.max_total_tokens(self.config.max_model_len))
+                if reserved_blocks + need > self.kv.num_free_blocks:
+                    break
+                reserved_blocks += need
+            elif not self.kv.allocate_slots(seq, 0):  # contiguous: reserving the region is the test
+                break
+            self.waiting.popleft()
+            self._start_running(seq)
+        self.static_batch_size = len(self.running)
 
     def _schedule_static(self) -> SchedulerOutput:
+        """The batch is formed when nothing runs; its members prefill (as the budget allows), then
+        decode in lockstep; finished members leave idle slots until the last one is done."""
         out = SchedulerOutput()
         if not self.running:
-            reserved = 0
-            while self.waiting and len(self.running) < self.config.max_num_seqs:
-                seq = self.waiting[0]
-                if not self._arrived(seq) or not self._worst_case_fits(seq, reserved):
-                    break
-                if self.kv.kind == "contiguous" and not self.kv.allocate_slots(seq, 0):
-                    break
-                reserved += self.kv.blocks_for(seq.max_total_tokens(self.config.max_model_len)) \
-                    * self.kv.block_size if self.kv.kind == "paged" else 0
-                self.waiting.popleft()
-                seq.status = SequenceStatus.RUNNING
-                seq.times.first_scheduled = self.clock()
-                self.running.append(seq)
-            self.static_batch_size = len(self.running)
+            self._form_static_batch()
         budget = self.config.max_num_batched_tokens
         prefilling = [s for s in self.running if not s.is_decoding]
-        batch = prefilling or self.running  # the whole batch prefills first, then decodes together
-        for seq in batch:
-            num_new = seq.num_uncomputed_tokens
+        for seq in prefilling or self.running:
+            computed = self._prefix_hit(seq)
+            num_new = seq.num_uncomputed_tokens - self._hit_tokens(computed)
             if out.scheduled and num_new > budget:
-                break
-            computed = self.kv.get_computed_blocks(seq) if self.kv.kind == "paged" else []
-            num_new -= len(computed) * getattr(self.kv, "block_size", 1)
+                break  # this prompt prefills next step (the first one always fits: budget >= max_model_len)
+            kind = "decode" if seq.is_decoding else "prefill"
             if not self._allocate(seq, num_new, computed):
                 raise RuntimeError("static batching reserved memory for this batch, yet allocation failed")
-            if self.kv.kind == "paged" and computed is not None and seq.is_decoding is False:
-                if seq.num_computed_tokens - len(computed) * self.kv.block_size == 0:
-                    seq.num_cached_tokens = len(computed) * self.kv.block_size
-                    self.kv.record_prefix_lookup(seq, seq.num_cached_tokens)
-            out.scheduled.append(ScheduledSeq(seq, num_new, "decode" if seq.is_decoding else "prefill"))
+            out.scheduled.append(ScheduledSeq(seq, num_new, kind))
             budget -= num_new
         return out
