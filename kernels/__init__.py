@@ -6,6 +6,7 @@ from tinypaged.kernels.paged_attention import (
     paged_attention_reference,
 )
 from tinypaged.kernels.reshape_and_cache import reshape_and_cache, reshape_and_cache_reference
+from tinypaged.kernels.teaching import online_softmax_update, random_paged_batch
 
 __all__ = [
     "paged_attention_decode",
@@ -13,4 +14,6 @@ __all__ = [
     "gather_then_attend",
     "reshape_and_cache",
     "reshape_and_cache_reference",
+    "online_softmax_update",
+    "random_paged_batch",
 ]

@@ -282,3 +282,71 @@ def test_write_then_attend_equals_dense_attention(device):
     probs = torch.softmax(torch.einsum("hd,nhd->hn", query[0], k) * 0.125, dim=-1)
     dense = torch.einsum("hn,nhd->hd", probs, v)
     assert_close(out[0], dense, torch.float32)
+
+
+# ---------------------------------------------------------------- stage 5 checks must fail wrong code
+
+def _online_no_rescale(m, l, acc, scores, values):
+    m_new = torch.maximum(m, scores.max(dim=1).values)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l + p.sum(dim=1), acc + p @ values          # forgets alpha = exp(m - m_new)
+
+
+def _online_in_place(m, l, acc, scores, values):
+    from tinypaged.kernels import online_softmax_update
+
+    new = online_softmax_update(m, l, acc, scores, values)
+    m.copy_(new[0]), l.copy_(new[1]), acc.copy_(new[2])
+    return m, l, acc
+
+
+def _online_no_max(m, l, acc, scores, values):
+    p = torch.exp(scores)
+    return torch.zeros_like(m), l + p.sum(dim=1), acc + p @ values
+
+
+def _attention_wrong_scale(q, kc, vc, bt, lens, scale):
+    return paged_attention_reference(q, kc, vc, bt, lens, scale * 1.1)
+
+
+def _attention_whole_pages(q, kc, vc, bt, lens, scale):
+    # Reads every row of the last page, including the rows past the sequence's end.
+    bs = kc.shape[1]
+    return paged_attention_reference(q, kc, vc, bt, (lens + bs - 1) // bs * bs, scale)
+
+
+def _attention_no_max(q, kc, vc, bt, lens, scale):
+    out = torch.empty_like(q)
+    group = q.shape[1] // kc.shape[2]
+    for s in range(len(q)):
+        n = int(lens[s])
+        pos = torch.arange(n)
+        blocks = bt[s, pos // kc.shape[1]].long()
+        k = kc[blocks, pos % kc.shape[1]].repeat_interleave(group, 1)
+        v = vc[blocks, pos % kc.shape[1]].repeat_interleave(group, 1)
+        e = torch.exp(torch.einsum("hd,nhd->hn", q[s], k) * scale)   # overflows for large scores
+        out[s] = torch.einsum("hn,nhd->hd", e / e.sum(-1, keepdim=True), v)
+    return out
+
+
+def _attention_stub_in_interpreter(*args):
+    # What an exercise kernel with the stub raises when launched: a wrapped NotImplementedError.
+    from triton.runtime.errors import InterpreterError
+
+    raise InterpreterError(repr(NotImplementedError("not implemented yet")))
+
+
+@pytest.mark.parametrize("name, impl, status", [
+    ("online_softmax_update", _online_no_rescale, "FAIL"),
+    ("online_softmax_update", _online_in_place, "FAIL"),
+    ("online_softmax_update", _online_no_max, "FAIL"),
+    ("paged_attention", _attention_wrong_scale, "FAIL"),
+    ("paged_attention", _attention_whole_pages, "FAIL"),
+    ("paged_attention", _attention_no_max, "FAIL"),
+    ("paged_attention", _attention_stub_in_interpreter, "not implemented yet"),
+])
+def test_stage05_checks_reject_wrong_code(name, impl, status):
+    from tinypaged import checks
+
+    got, msg = checks.evaluate(name, impl)
+    assert got == status, f"{name} with {impl.__name__}: {got} {msg}"

@@ -42,6 +42,15 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys=None) -> 
     return hashlib.sha256(payload).digest()
 
 
+def hash_chain(token_ids, block_size: int, extra_keys=None) -> list[bytes]:
+    """Chained hashes of the *full* blocks of ``token_ids``: hash i covers tokens 0 .. (i+1)*block_size - 1."""
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // block_size):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block, extra_keys))
+    return hashes
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
@@ -173,9 +182,13 @@ class BlockManager:
         return blocks_needed(num_tokens, self.block_size)
 
     # -- prefix caching -----------------------------------------------------------------
-    def _full_block_hashes(self, seq, num_tokens: int) -> list[bytes]:
-        """Chained hashes of the full blocks among the first ``num_tokens`` tokens (memoised per seq)."""
-        hashes = self.hashes.setdefault(seq.seq_id, [])
+    def _full_block_hashes(self, seq, num_tokens: int, memo: bool = True) -> list[bytes]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens.
+
+        Memoised per sequence while it holds blocks (``free`` drops the memo); a mere lookup for a
+        waiting sequence (``memo=False``) leaves nothing behind, so nothing leaks if it never runs.
+        """
+        hashes = self.hashes.setdefault(seq.seq_id, []) if memo else list(self.hashes.get(seq.seq_id, []))
         tokens = seq.token_ids
         bs = self.block_size
         while len(hashes) < num_tokens // bs:
@@ -194,7 +207,7 @@ class BlockManager:
         tokens = seq.token_ids
         found = []
         bs = self.block_size
-        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1)):
+        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1, memo=False)):
             block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
             if block is None:
                 break

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import io
 import json
+import linecache
 import re
 import sys
 from pathlib import Path
@@ -111,8 +112,11 @@ def notebook_namespace(path: Path) -> dict:
         src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         src = "\n".join(l for l in src.splitlines() if not re.match(r"\s*[%!]", l))
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            # Register the cell's source (as IPython does): compiled @triton.jit kernels read it.
+            name = f"<{path} cell {len(linecache.cache)}>"
+            linecache.cache[name] = (len(src), None, src.splitlines(keepends=True), name)
             try:
-                exec(compile(src, str(path), "exec"), ns)
+                exec(compile(src, name, "exec"), ns)
             except Exception:
                 pass
     return ns

@@ -40,8 +40,8 @@ class LLM:
         if arrival_times is not None and len(arrival_times) != len(prompts):
             raise ValueError(f"Got {len(arrival_times)} arrival_times for {len(prompts)} prompts")
         engine = self.llm_engine
-        engine.reset_clock()
-        arrivals = arrival_times or [0.0] * len(prompts)
+        now = engine.clock()  # arrival times are offsets from now; requests already queued keep theirs
+        arrivals = [now + t for t in (arrival_times or [0.0] * len(prompts))]
         requests = [engine.make_request(self._next_id(), p, sp, t) for p, sp, t in zip(prompts, params, arrivals)]
         for req in requests:
             engine.enqueue(req)

@@ -264,8 +264,8 @@ class LLMEngine:
             for seq in seqs:
                 if seq.is_finished:
                     self.scheduler.finish(seq)
-                    req = self.requests[seq.request_id]
-                    if req.finished:
+                    req = self.requests.get(seq.request_id)  # gone if a sibling sample just finished it
+                    if req is not None and req.finished:
                         result.finished.append(self._request_output(req))
                         self.counters["num_requests_finished"] += 1
         self.counters["num_steps"] += 1

@@ -23,6 +23,12 @@ from tinypaged.sequence import Sequence, SequenceStatus
 logger = logging.getLogger("tinypaged")
 
 
+def pick_victim(running: list):
+    """vLLM v1's preemption victim: the most recently admitted running request (``running`` is kept
+    in admission order). It has done the least work, so recomputing it wastes the least."""
+    return running[-1]
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -84,7 +90,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(seq, num_new):
-                victim = self.running.pop()
+                victim = pick_victim(self.running)
+                self.running.remove(victim)
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -201,3 +208,96 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new, kind))
             budget -= num_new
         return out
+
+
+# -- the policy in miniature (the stage-4 exercise) ----------------------------------------------------
+@dataclass
+class PlanRequest:
+    """A request as the policy sees it: an id and how many tokens it still has to compute
+    (the rest of its prompt while prefilling, 1 while decoding)."""
+
+    request_id: str
+    num_new_tokens: int
+
+
+@dataclass
+class StepPlan:
+    scheduled: list[tuple[str, int]] = field(default_factory=list)  # (request_id, tokens this step)
+    preempted: list[str] = field(default_factory=list)
+
+
+def schedule_step(running: list, waiting: list, budget: int, max_num_seqs: int, kv) -> StepPlan:
+    """One continuous-batching step, the rules of ``Scheduler._schedule_continuous`` without prefix
+    caching, swapping or arrival times (chunked prefill on).
+
+    ``running`` is in admission order, ``waiting`` in queue order; neither list is modified.
+    ``kv.allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` and says whether it
+    could; ``kv.free(req)`` releases everything ``req`` holds.
+
+    1. Running requests first, in order: each takes ``min(num_new_tokens, budget)`` tokens. When
+       the KV cache cannot hold them, preempt ``pick_victim`` of the running requests (free its
+       blocks) and retry; if the victim is the request itself, move on.
+    2. Only if nothing was preempted: admit waiting requests in queue order while there is budget
+       and fewer than ``max_num_seqs`` are running; stop at the first that does not fit.
+    """
+    plan = StepPlan()
+    running = list(running)
+    i = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.num_new_tokens, budget)
+        while not kv.allocate(req, n):
+            victim = pick_victim(running)
+            running.remove(victim)
+            kv.free(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                break
+        else:
+            plan.scheduled.append((req.request_id, n))
+            budget -= n
+            i += 1
+    if plan.preempted:
+        return plan
+    for req in waiting:
+        if budget <= 0 or len(running) >= max_num_seqs:
+            break
+        n = min(req.num_new_tokens, budget)
+        if not kv.allocate(req, n):
+            break
+        running.append(req)
+        plan.scheduled.append((req.request_id, n))
+        budget -= n
+    return plan
+
+
+class BlockCounter:
+    """A KV cache reduced to block counting, for ``schedule_step``: ``num_blocks`` blocks of
+    ``block_size`` tokens; ``held`` maps request id -> tokens it holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, held: dict[str, int] | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.held = dict(held or {})
+        if self.used > num_blocks:
+            raise ValueError("the requests hold more blocks than the cache has")
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def used(self) -> int:
+        return sum(self._blocks(t) for t in self.held.values())
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.used
+
+    def allocate(self, req, n: int) -> bool:
+        have = self.held.get(req.request_id, 0)
+        if self._blocks(have + n) - self._blocks(have) > self.num_free:
+            return False
+        self.held[req.request_id] = have + n
+        return True
+
+    def free(self, req) -> None:
+        self.held.pop(req.request_id, None)

@@ -1,0 +1,239 @@
+"""Stage 2: the block allocator (BlockManager without prefix caching), by property-based testing.
+
+A hypothesis state machine runs random allocate / append / free sequences over several sequences
+and checks the allocator's invariants after every step. Then: the slot-mapping formula, the
+"False and no change" contract of allocate_slots, and that each stage-2 check rejects broken code.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tinypaged import checks
+from tinypaged.attention import gather_kv, paged_context_slots, slot_mapping
+from tinypaged.block_manager import BlockManager
+from tinypaged.checks import stage02
+
+
+class FakeSeq:
+    """What BlockManager reads from a sequence: an id, its progress and its block table."""
+
+    _next = 0
+
+    def __init__(self):
+        FakeSeq._next += 1
+        self.seq_id = 10_000 + FakeSeq._next
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.token_ids: list[int] = []
+
+    def __len__(self):
+        return self.num_computed_tokens
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def snapshot(bm: BlockManager):
+    return (list(bm.pool.free_queue), {k: [b.block_id for b in v] for k, v in bm.tables.items()},
+            [b.ref_cnt for b in bm.pool.blocks])
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(1, 24), block_size=st.sampled_from([1, 2, 4, 16]))
+    def setup(self, num_blocks, block_size):
+        self.bm = BlockManager(num_blocks, block_size)
+        self.seqs: list[FakeSeq] = []
+
+    def _grow(self, seq: FakeSeq, n: int) -> None:
+        before = snapshot(self.bm)
+        table_before = list(seq.block_table)
+        fits = ceil_div(seq.num_computed_tokens + n, self.bm.block_size) - len(table_before) <= self.bm.num_free_blocks
+        ok = self.bm.allocate_slots(seq, n)
+        assert ok == fits, f"allocate_slots returned {ok} but the blocks {'fit' if fits else 'do not fit'}"
+        if ok:
+            seq.num_computed_tokens += n
+            assert seq.block_table[:len(table_before)] == table_before, "growing a table must not move its old blocks"
+        else:
+            assert snapshot(self.bm) == before and seq.block_table == table_before, \
+                "a failed allocate_slots changed the allocator's state"
+
+    @rule(n=st.integers(1, 40))
+    def add_sequence(self, n):
+        seq = FakeSeq()
+        self._grow(seq, n)
+        if seq.num_computed_tokens:
+            self.seqs.append(seq)
+        else:
+            assert seq.seq_id not in self.bm.tables or not self.bm.tables[seq.seq_id]
+            self.bm.free(seq)  # drop the empty table entry a failed first allocation may leave
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100), n=st.integers(1, 20))
+    def append(self, i, n):
+        self._grow(self.seqs[i % len(self.seqs)], n)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        seq = self.seqs.pop(i % len(self.seqs))
+        self.bm.free(seq)
+        assert seq.block_table == []
+
+    @invariant()
+    def every_block_accounted_for(self):
+        owned = [b.block_id for blocks in self.bm.tables.values() for b in blocks]
+        assert len(owned) == len(set(owned)), f"a block is owned twice without sharing: {sorted(owned)}"
+        free = set(self.bm.pool.free_queue)
+        assert not free & set(owned), f"blocks both free and owned: {free & set(owned)}"
+        assert len(free) + len(owned) == self.bm.num_blocks, "free + referenced must equal num_blocks"
+        for b in self.bm.pool.blocks:
+            assert b.ref_cnt == (0 if b.block_id in free else 1)
+
+    @invariant()
+    def tables_hold_exactly_ceil_length(self):
+        for seq in self.seqs:
+            assert len(seq.block_table) == ceil_div(seq.num_computed_tokens, self.bm.block_size)
+            assert seq.block_table == [b.block_id for b in self.bm.tables[seq.seq_id]]
+
+    @invariant()
+    def slots_are_distinct_and_in_range(self):
+        seen = set()
+        cap = self.bm.capacity_tokens
+        for seq in self.seqs:
+            for p in range(seq.num_computed_tokens):
+                s = self.bm.slot(seq, p)
+                assert 0 <= s < cap and s not in seen, f"slot {s} reused or out of range"
+                seen.add(s)
+
+    def teardown(self):
+        if not hasattr(self, "bm"):
+            return
+        for seq in self.seqs:
+            self.bm.free(seq)
+        assert self.bm.num_free_blocks == self.bm.num_blocks, "blocks leaked after every request finished"
+        assert not self.bm.tables
+
+
+AllocatorMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestAllocator = AllocatorMachine.TestCase
+
+
+def test_slot_mapping_formula():
+    bm = BlockManager(16, 4)
+    seq = FakeSeq()
+    seq.block_table = [7, 2, 9]
+    assert [bm.slot(seq, p) for p in range(10)] == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
+    assert slot_mapping([7, 2, 9], range(10), 4) == [bm.slot(seq, p) for p in range(10)]
+    assert slot_mapping([7, 2, 9], [0, -1], 4) == [28, -1]
+    slots = paged_context_slots(torch.tensor([[7, 2, 9]]), 10, 4)[0].tolist()
+    assert slots == slot_mapping([7, 2, 9], range(10), 4)
+
+
+def test_gather_kv_matches_flat_slots():
+    cache = torch.arange(8 * 4 * 2 * 3, dtype=torch.float64).view(8, 4, 2, 3)
+    table = [5, 0, 3]
+    flat = cache.view(-1, 2, 3)
+    slots = slot_mapping(table, range(11), 4)
+    assert torch.equal(gather_kv(cache, table, 11), flat[slots])
+
+
+def test_allocate_slots_false_without_change_when_blocks_run_out():
+    bm = BlockManager(4, 4)
+    a, b = FakeSeq(), FakeSeq()
+    assert bm.allocate_slots(a, 9)  # 3 blocks
+    a.num_computed_tokens = 9
+    before = snapshot(bm)
+    assert not bm.allocate_slots(b, 5)  # needs 2, 1 free
+    assert snapshot(bm) == before and b.block_table == []
+    assert not bm.allocate_slots(a, 8)  # 17 tokens need 5 blocks
+    assert snapshot(bm) == before and a.block_table == [0, 1, 2]
+    assert bm.allocate_slots(a, 4)  # 13 tokens: one more block, the last one
+    assert a.block_table == [0, 1, 2, 3] and bm.num_free_blocks == 0
+
+
+def test_freed_blocks_rejoin_the_tail_of_the_free_queue():
+    bm = BlockManager(6, 2)
+    a, b = FakeSeq(), FakeSeq()
+    bm.allocate_slots(a, 4)
+    bm.allocate_slots(b, 2)
+    bm.free(a)  # blocks 0, 1 go behind 3, 4, 5 (tail first: 1 then 0)
+    c = FakeSeq()
+    bm.allocate_slots(c, 10)
+    assert c.block_table == [3, 4, 5, 1, 0]
+
+
+# -- the notebook checks reject broken implementations ------------------------------------------
+
+class LifoAllocator(stage02.BlockAllocator):
+    def free(self, block_id):  # a stack, not a queue: freed blocks come straight back
+        super().free(block_id)
+        self.pool.free_queue.move_to_end(block_id, last=False)
+
+
+class ForgivingAllocator(stage02.BlockAllocator):
+    def free(self, block_id):  # double free silently accepted
+        if self.pool.blocks[block_id].ref_cnt:
+            super().free(block_id)
+
+
+def greedy_allocate_for(table, num_tokens, block_size, allocator):
+    while len(table) < -(-num_tokens // block_size):  # allocates until it fails: partial change
+        if allocator.num_free == 0:
+            return False
+        table.append(allocator.allocate())
+    return True
+
+
+def reserving_allocate_for(table, num_tokens, block_size, allocator):
+    need = -(-num_tokens // block_size) + 1 - len(table)  # one block too many
+    if need > allocator.num_free:
+        return False
+    table.extend(allocator.allocate() for _ in range(need))
+    return True
+
+
+BROKEN = {
+    "block_allocator": [LifoAllocator, ForgivingAllocator],
+    "allocate_for": [greedy_allocate_for, reserving_allocate_for],
+    "slot_mapping": [
+        lambda t, pos, bs: [t[p // bs] + p % bs for p in pos],  # forgot to scale by block_size
+        lambda t, pos, bs: [t[p // bs] * bs + p % bs for p in pos if p >= 0],  # drops padding
+        lambda t, pos, bs: [p for p in pos],  # ignores the table (contiguous thinking)
+    ],
+    "gather_kv": [
+        lambda cache, t, n: cache.reshape(-1, *cache.shape[2:])[:n],  # ignores the table
+        lambda cache, t, n: cache[torch.as_tensor(t, dtype=torch.long)].reshape(-1, *cache.shape[2:]),  # no trim
+        lambda cache, t, n: cache[torch.as_tensor(t, dtype=torch.long)[torch.arange(n) % len(t)], torch.arange(n) % cache.shape[1]],
+    ],
+}
+
+
+@pytest.mark.parametrize("name,broken", [(n, b) for n, bs in BROKEN.items() for b in bs])
+def test_stage02_checks_reject_broken_code(name, broken):
+    status, msg = checks.evaluate(name, broken)
+    assert status == checks.FAIL, f"{name} accepted a broken implementation"
+
+
+def test_stage02_checks_say_not_implemented():
+    def todo(*args, **kwargs):
+        raise NotImplementedError("not implemented yet")
+
+    class TodoAllocator:
+        def __init__(self, num_blocks):
+            raise NotImplementedError("not implemented yet")
+
+    assert checks.evaluate("block_allocator", TodoAllocator)[0] == checks.TODO
+    for name in ("allocate_for", "slot_mapping", "gather_kv"):
+        assert checks.evaluate(name, todo)[0] == checks.TODO
+
+
+def test_stage02_checks_registered_for_the_notebook():
+    targets = {c.target for c in checks.checks_for_stage("02")}
+    assert {"BlockAllocator", "allocate_for", "slot_mapping", "gather_kv"} <= targets

@@ -1,0 +1,209 @@
+"""Stage 1: the contiguous KV cache, from the allocator's pieces up to the engine running on it."""
+
+import random
+
+import pytest
+import torch
+
+from tinypaged import LLM, SamplingParams, checks
+from tinypaged.contiguous import (
+    ContiguousArena,
+    ContiguousKVManager,
+    first_fit,
+    free_holes,
+    next_power_of_two,
+    reservation_tokens,
+)
+from tinypaged.model_loader import tiny_hf_model
+from tinypaged.sequence import Sequence
+
+
+# -- reservation policies ---------------------------------------------------------------------
+def test_next_power_of_two():
+    assert [next_power_of_two(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("final_len,want", [(1, (2048, 1, 1)), (3, (2048, 4, 3)), (300, (2048, 512, 300)),
+                                            (1500, (2048, 2048, 1500)), (2048, (2048, 2048, 2048))])
+def test_reservation_policies(final_len, want):
+    assert tuple(reservation_tokens(p, final_len, 2048) for p in ("max", "pow2", "oracle")) == want
+
+
+def test_reservation_never_exceeds_max_model_len_and_unknown_policy_is_refused():
+    assert reservation_tokens("pow2", 300, 400) == 400
+    with pytest.raises(ValueError, match="Unknown reservation policy"):
+        reservation_tokens("guess", 10, 2048)
+    with pytest.raises(ValueError, match="Unknown reservation policy"):
+        ContiguousKVManager(100, "guess", 64)
+
+
+# -- holes and first-fit ----------------------------------------------------------------------
+def test_free_holes_and_first_fit_take_the_lowest_address():
+    holes = free_holes([(2, 3), (8, 1)], 16)
+    assert holes == [(0, 2), (5, 3), (9, 7)]
+    assert first_fit(holes, 2) == 0
+    assert first_fit(holes, 3) == 5  # first fit, although (9, 7) is also large enough
+    assert first_fit(holes, 7) == 9
+    assert first_fit(holes, 8) is None
+
+
+def test_arena_first_fit_reuses_the_lowest_hole_and_merges_freed_neighbours():
+    a = ContiguousArena(20)
+    owners = [object() for _ in range(4)]
+    assert [a.allocate(5, o) for o in owners] == [0, 5, 10, 15]
+    assert a.allocate(1, object()) is None  # full
+    a.free(owners[1])
+    a.free(owners[2])
+    assert a.holes() == [(5, 10)]  # the two freed neighbours form one hole
+    assert a.allocate(3, "x") == 5 and a.allocate(3, "y") == 8
+    assert a.holes() == [(11, 4)]
+    assert a.reserved == 16 and a.free_tokens == 4 and a.largest_hole == 4
+
+
+def test_external_fragmentation_really_happens():
+    """Enough free slots in total, yet no single hole is large enough: the request must wait."""
+    a = ContiguousArena(12)
+    x, y, z = object(), object(), object()
+    a.allocate(4, x), a.allocate(4, y), a.allocate(4, z)
+    a.free(x)
+    a.free(z)
+    assert a.free_tokens == 8 and a.largest_hole == 4
+    assert a.allocate(5, "big") is None
+    a.free(y)  # only when the middle region leaves do the holes merge
+    assert a.allocate(5, "big") == 0
+
+
+def test_arena_invariants_under_random_allocations():
+    rng = random.Random(0)
+    a = ContiguousArena(200)
+    live = []
+    for _ in range(2000):
+        if live and rng.random() < 0.45:
+            a.free(live.pop(rng.randrange(len(live))))
+        else:
+            owner, size = object(), rng.randrange(1, 30)
+            start = a.allocate(size, owner)
+            if start is None:
+                assert all(gap < size for _, gap in a.holes())  # refused only when no hole fits
+            else:
+                live.append(owner)
+        starts = [r.start for r in a.regions]
+        assert starts == sorted(starts)
+        for r, nxt in zip(a.regions, a.regions[1:]):
+            assert r.start + r.size <= nxt.start  # no overlap
+        assert a.reserved + sum(g for _, g in a.holes()) == a.capacity
+
+
+# -- the engine's manager ---------------------------------------------------------------------
+def _seq(prompt_len, max_tokens):
+    return Sequence("r", list(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("policy,want", [("max", 256), ("pow2", 64), ("oracle", 40)])
+def test_manager_reserves_by_policy_and_refuses_to_outgrow(policy, want):
+    kv = ContiguousKVManager(1000, policy, 256)
+    seq = _seq(30, 10)
+    assert kv.allocate_slots(seq, 30)
+    assert seq.kv_region == (0, want)
+    assert kv.slot(seq, 7) == 7
+    st = kv.stats()
+    assert (st["kv_reserved_tokens"], st["kv_token_states"]) == (want, 0)
+    seq.num_computed_tokens = want
+    with pytest.raises(RuntimeError, match="outgrew"):
+        kv.allocate_slots(seq, 1)
+    kv.free(seq)
+    assert kv.stats()["kv_reserved_tokens"] == 0 and seq.kv_region is None
+
+
+# -- the engine on a contiguous cache ---------------------------------------------------------
+PROMPTS = [list(range(5 + i, 15 + i)) for i in range(5)]  # five 10-token prompts
+
+
+def tiny(**kw):
+    kw = {"dtype": "float64", "device": "cpu", "max_model_len": 64, "kv_cache_tokens": 40, **kw}
+    return LLM("tiny", **kw)
+
+
+@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
+    """40 slots, 18 reserved per request (oracle: 10 + 8): two at a time, the rest wait their turn."""
+    llm = tiny(kv_cache="contiguous", reservation_policy="oracle", scheduler=scheduler)
+    kv = llm.llm_engine.kv
+    seen = []
+
+    def on_step(step):
+        m = llm.get_metrics()
+        running = llm.llm_engine.scheduler.running
+        assert m["kv_reserved_tokens"] == 18 * len(running) <= 40
+        assert m["kv_token_states"] == sum(s.num_computed_tokens for s in running)
+        assert m["kv_token_states"] + m["kv_reservation_waste"] + m["kv_internal_fragmentation"] == m["kv_reserved_tokens"]
+        assert m["kv_reserved_tokens"] + m["kv_free_tokens"] == 40
+        assert m["kv_largest_hole"] <= m["kv_free_tokens"]
+        seen.append((len(running), m["num_waiting"]))
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8),
+                        on_step=on_step)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 5
+    assert max(r for r, _ in seen) == 2 and any(w > 0 for _, w in seen)  # requests really waited
+    m = llm.get_metrics()
+    assert (m["num_requests_finished"], m["num_preemptions"], m["kv_reserved_tokens"]) == (5, 0, 0)
+    assert m["num_generated_tokens"] == 40 and m["num_prefill_tokens"] == 50
+    assert kv.arena.regions == [] and kv.live == {}
+
+
+def test_max_policy_reserves_max_model_len_per_request():
+    llm = tiny(kv_cache="contiguous", reservation_policy="max", scheduler="static", kv_cache_tokens=130)
+    running = []
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=4),
+                 on_step=lambda s: running.append(llm.get_metrics()["kv_reserved_tokens"]))
+    assert max(running) == 2 * 64  # 130 // 64 = 2 requests at once, whatever their length
+
+
+def test_never_fitting_request_is_a_clear_value_error():
+    llm = tiny(kv_cache="contiguous", reservation_policy="max")  # reserves 64 > 40 slots
+    with pytest.raises(ValueError, match="can never fit in the KV cache"):
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4))
+    llm = tiny(kv_cache="contiguous", reservation_policy="oracle")
+    with pytest.raises(ValueError, match="needs up to 50 tokens"):
+        llm.generate([{"prompt_token_ids": list(range(3, 33))}], SamplingParams(max_tokens=20))
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued
+
+
+def test_contiguous_gives_the_same_tokens_as_paged_and_transformers():
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    contiguous = tiny(kv_cache="contiguous", reservation_policy="pow2", scheduler="static").generate(prompts, params)
+    paged = tiny(kv_cache="paged", block_size=4, kv_cache_tokens=256).generate(prompts, params)
+    hf = tiny_hf_model(seed=0).double()
+    for p, c, pg in zip(PROMPTS, contiguous, paged):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert c.outputs[0].token_ids == pg.outputs[0].token_ids == ref
+
+
+# -- the stage-1 checks must fail on wrong code ----------------------------------------------
+def _wrong_reservation(policy, final_len, max_model_len):
+    if policy == "pow2":
+        return next_power_of_two(final_len)  # forgets the max_model_len cap
+    return reservation_tokens(policy, final_len, max_model_len)
+
+
+def _wrong_holes(regions, capacity):
+    return free_holes(regions, capacity)[:-1] if regions else [(0, capacity)]  # drops the tail hole
+
+
+def _best_fit(holes, size):
+    fitting = [(gap, start) for start, gap in holes if gap >= size]
+    return min(fitting)[1] if fitting else None
+
+
+@pytest.mark.parametrize("name,wrong", [
+    ("reservation_tokens", _wrong_reservation),
+    ("reservation_tokens", lambda p, f, m: f),  # everything is "oracle"
+    ("free_holes", _wrong_holes),
+    ("free_holes", lambda regions, capacity: [(0, capacity - sum(s for _, s in regions))]),
+    ("first_fit", _best_fit),
+    ("first_fit", lambda holes, size: holes[0][0] if holes else None),
+])
+def test_stage1_checks_fail_on_wrong_code(name, wrong):
+    status, msg = checks.evaluate(name, wrong)
+    assert status == checks.FAIL and msg

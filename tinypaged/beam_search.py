@@ -1,0 +1,217 @@
+"""Stage 3: beam search on the paged KV cache. Beams share blocks by fork and copy-on-write.
+
+Each beam is a ``Sequence`` with a block table in the engine's ``BlockManager``. One step:
+
+1. every live beam gets room for its next token (``allocate_slots``: a beam whose last block is
+   still shared with a sibling gets a private copy first: copy-on-write);
+2. one forward over all beams of all prompts (``engine.runner.execute``), then log-softmax;
+3. per prompt, the best ``K`` (beam, token) candidates by cumulative log-probability;
+4. the chosen parents are forked (a parent chosen ``m`` times becomes ``m`` beams sharing its
+   blocks), the beams nobody chose are freed.
+
+Selection follows Hugging Face's ``generate(num_beams=W, do_sample=False)`` (transformers 5), so the
+tests can use it as the oracle:
+
+* ``K = max(2, 1 + number of EOS ids) * W`` candidates; the best ``W`` that do not stop run on;
+* a candidate ending in EOS, or reaching ``max_tokens``, becomes a finished hypothesis, but only
+  if it ranks among the top ``W`` candidates; its score is
+  ``cum_logprob / generated_len ** length_penalty`` (the EOS token counts in the length);
+* the ``W`` best finished hypotheses are kept; a prompt stops when its best running beam can no
+  longer beat the worst of them (``early_stopping=False``, HF's default), when ``W`` are finished
+  (``early_stopping=True``), or at ``max_tokens``.
+
+vLLM's ``LLM.beam_search`` differs in small ways (it always runs ``max_tokens`` steps, keeps every
+EOS candidate, and its length penalty divides by the whole length including the prompt). Without
+EOS among the candidates (``ignore_eos=True``, or a model that never ranks EOS high) the two agree,
+and width 1 is greedy decoding.
+
+Results are vLLM-shaped: one ``BeamSearchOutput`` per prompt whose ``sequences`` (best first)
+carry ``tokens`` (prompt + generated, as vLLM), ``text``, ``cum_logprob`` and ``score``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tinypaged.sampling_params import BeamSearchParams, SamplingParams
+from tinypaged.scheduler import ScheduledSeq
+from tinypaged.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated tokens (vLLM's convention)
+    num_prompt_tokens: int
+    cum_logprob: float
+    score: float  # cum_logprob / len(output_token_ids) ** length_penalty
+    finish_reason: str  # "stop" (EOS) or "length"
+    text: str = ""  # decoded prompt + output, as vLLM
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # beam_width hypotheses, best score first
+
+
+@dataclass
+class _PromptState:
+    """The beams of one prompt: running ones (Sequences holding blocks) and finished hypotheses."""
+
+    seq: Sequence  # the prompt's first sequence (before it becomes beam 0)
+    beams: list[Sequence] = field(default_factory=list)
+    scores: torch.Tensor | None = None  # float32 cumulative log-probs of ``beams``, best first
+    finished: list[tuple] = field(default_factory=list)  # (score tensor, tokens, cum_logprob, reason)
+    improvable: bool = True  # HF's early-stop heuristic: can a running beam still beat the finished?
+    done: bool = False
+
+
+def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool | str = False,
+                stats: dict | None = None, on_step=None) -> list[BeamSearchOutput]:
+    """Beam search over ``prompts`` (strings or {"prompt_token_ids": ...}); one output per prompt.
+
+    ``stats`` (a dict, optional) receives block accounting per step: blocks used with sharing
+    (the pool) and without (each beam owning all its blocks), plus copy-on-write copies.
+    ``on_step(list of each prompt's live beams)`` is called after every step's allocation.
+    Every block is freed before returning, also on error.
+    """
+    if engine.kv.kind != "paged":
+        raise NotImplementedError("beam search shares KV blocks between beams: use kv_cache='paged'")
+    if engine.has_unfinished_requests():
+        raise RuntimeError("beam_search runs on an idle engine: finish the queued requests first")
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    kv = engine.kv
+    sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+    states = []
+    for i, prompt in enumerate(prompts):
+        req = engine.make_request(f"beam-{i}", prompt, sp)
+        states.append(_PromptState(req.seqs[0]))
+    eos = set() if params.ignore_eos else set(engine.eos_token_ids)
+    record = stats if stats is not None else {}
+    record.update(steps=[], cow_copies=0)
+    cow0 = kv.num_cow_copies
+    try:
+        for st in states:  # prefill: the prompt is beam 0 (cached prefix blocks are reused)
+            seq = st.seq
+            computed = kv.get_computed_blocks(seq)
+            _allocate(kv, seq, len(seq) - len(computed) * kv.block_size, computed)
+            seq.num_cached_tokens = len(computed) * kv.block_size
+            kv.record_prefix_lookup(seq, seq.num_cached_tokens)
+            seq.status = SequenceStatus.RUNNING
+            st.beams = [seq]
+            st.scores = torch.zeros(1, dtype=torch.float32)
+        while True:
+            live = [b for st in states if not st.done for b in st.beams]
+            if not live:
+                break
+            items = []
+            for b in live:
+                if b.output_token_ids:
+                    _allocate(kv, b, 1)  # copy-on-write happens here for a shared last block
+                items.append(ScheduledSeq(b, b.num_uncomputed_tokens, "decode" if b.is_decoding else "prefill"))
+            used = kv.num_blocks - kv.num_free_blocks
+            unshared = sum(len(t) for t in kv.tables.values())  # as if every beam owned its blocks
+            record["steps"].append({"blocks_used": used, "blocks_unshared": unshared, "num_beams": len(live)})
+            if on_step is not None:
+                on_step([list(st.beams) for st in states if not st.done])
+            logits, sampling = engine.runner.execute(items)
+            for item in items:
+                item.seq.num_computed_tokens += item.num_tokens
+            # float32 log-softmax, as transformers does, so rankings agree bit for bit
+            logprobs = torch.log_softmax(logits.to(device="cpu", dtype=torch.float32), dim=-1)
+            row_of = {s.seq_id: r for r, s in enumerate(sampling)}
+            for st in states:
+                if not st.done:
+                    rows = logprobs[[row_of[b.seq_id] for b in st.beams]]
+                    _advance(kv, st, rows, params, eos, early_stopping, engine.config.max_model_len)
+    finally:
+        for st in states:  # free() is idempotent: a sequence without a table releases nothing
+            for b in st.beams + [st.seq]:
+                kv.free(b)
+            st.beams = []
+        record["cow_copies"] = kv.num_cow_copies - cow0
+        steps = record["steps"]
+        record["peak_blocks_used"] = max((s["blocks_used"] for s in steps), default=0)
+        record["peak_blocks_unshared"] = max((s["blocks_unshared"] for s in steps), default=0)
+        record["block_steps_used"] = sum(s["blocks_used"] for s in steps)
+        record["block_steps_unshared"] = sum(s["blocks_unshared"] for s in steps)
+    tok = engine.tokenizer
+    outputs = []
+    for st in states:
+        hyps = []
+        for score, tokens, cum, reason in sorted(st.finished, key=lambda h: -float(h[0])):
+            hyps.append(BeamSearchSequence(tokens, len(st.seq.prompt_token_ids), cum, float(score), reason,
+                                           tok.decode(tokens)))
+        outputs.append(BeamSearchOutput(hyps))
+    return outputs
+
+
+def _allocate(kv, seq, num_new, computed=()) -> None:
+    if not kv.allocate_slots(seq, num_new, computed):
+        raise RuntimeError(
+            f"beam search ran out of KV blocks ({kv.num_blocks} in all): lower beam_width or max_tokens, "
+            f"or give the cache more blocks (num_gpu_blocks_override)")
+
+
+def _advance(kv, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, eos: set,
+             early_stopping, max_model_len: int) -> None:
+    """One beam step for one prompt: rank candidates, update finished hypotheses, fork and free."""
+    width, lp = params.beam_width, params.length_penalty
+    vocab = logprobs.shape[1]
+    k = min(max(2, 1 + len(eos)) * width, logprobs.numel())
+    acc = (logprobs + st.scores[:, None]).reshape(-1)
+    top_vals, top_idx = torch.topk(acc, k)
+    gen_len = len(st.beams[0].output_token_ids) + 1  # after this step's token
+    at_max = gen_len >= params.max_tokens or len(st.beams[0]) + 1 >= max_model_len
+    cands = []
+    for r in range(k):
+        parent, token = divmod(int(top_idx[r]), vocab)
+        stops = at_max or token in eos
+        cands.append((parent, token, top_vals[r], stops))
+    # Finished hypotheses: only candidates ranked in the top `width` may finish (HF).
+    full = early_stopping is True and len(st.finished) == width
+    if st.improvable and not full:
+        new = []
+        for parent, token, val, stops in cands[:width]:
+            if stops:
+                tokens = st.beams[parent].token_ids + [token]
+                new.append((val / (gen_len ** lp), tokens, float(val), "length" if token not in eos else "stop"))
+        if new:
+            merged = sorted(st.finished + new, key=lambda h: -float(h[0]))  # stable: older first on ties
+            st.finished = merged[:width]
+    running = [c for c in cands if not c[3]][:width]
+    if running and st.improvable:
+        best_len = params.max_tokens if (early_stopping == "never" and lp > 0.0) else gen_len
+        best = running[0][2] / (best_len ** lp)
+        worst = min(float(h[0]) for h in st.finished) if len(st.finished) == width else -1.0e9
+        st.improvable = bool(best > worst)
+    done = not running or not st.improvable or (early_stopping is True and len(st.finished) == width)
+    chosen = {parent for parent, *_ in running} if not done else set()
+    for j, b in enumerate(st.beams):  # free the beams nobody continues (before forking: blocks return)
+        if j not in chosen:
+            kv.free(b)
+            b.status = SequenceStatus.FINISHED
+    if done:
+        st.beams, st.done = [], True
+        return
+    # Fork before appending: a child must copy its parent's tokens as they were.
+    taken, beams = set(), []
+    for parent, token, val, _ in running:
+        p = st.beams[parent]
+        if parent in taken:
+            child = p.fork(len(beams), None)
+            kv.fork(p, child)
+            beams.append(child)
+        else:
+            taken.add(parent)
+            beams.append(p)
+    for b, (parent, token, val, _) in zip(beams, running):
+        b.output_token_ids.append(token)
+        b.cumulative_logprob = float(val)
+    st.beams = beams
+    st.scores = torch.stack([c[2] for c in running])
