@@ -33,7 +33,7 @@ import time
 import torch
 
 from tinypaged import LLM, SamplingParams, workloads
-from tinypaged.beam_search import beam_search
+from tinypaged.beam_search import beam_search, analytic_shared_blocks
 from tinypaged.block_manager import BlockManager
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
@@ -89,17 +89,6 @@ def parallel_sampling_blocks(trace, n: int, block_size: int = 16) -> dict:
 
 
 # -- (a) beam search: the real beam search on "tiny" ---------------------------------------------------
-def analytic_beam_blocks(beams_by_prompt, block_size: int) -> int:
-    """Distinct (prompt, full-block prefix) among live beams, plus one private partial block per beam."""
-    full, partial = set(), 0
-    for p, beams in enumerate(beams_by_prompt):
-        for b in beams:
-            toks = b.token_ids
-            full.update((p, tuple(toks[: (i + 1) * block_size])) for i in range(len(toks) // block_size))
-            partial += len(toks) % block_size != 0
-    return len(full) + partial
-
-
 def beam_search_blocks(llm, trace, width: int, seed: int = 0) -> dict:
     eng = llm.llm_engine
     bs = eng.kv.block_size
@@ -110,7 +99,7 @@ def beam_search_blocks(llm, trace, width: int, seed: int = 0) -> dict:
         analytic = []
 
         def watch(beams_by_prompt):
-            analytic.append((eng.kv.num_blocks - eng.kv.num_free_blocks, analytic_beam_blocks(beams_by_prompt, bs),
+            analytic.append((eng.kv.num_blocks - eng.kv.num_free_blocks, analytic_shared_blocks(beams_by_prompt, bs),
                              sum(cdiv(len(b), bs) for beams in beams_by_prompt for b in beams)))
 
         stats = {}

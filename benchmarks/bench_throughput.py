@@ -1,6 +1,6 @@
 """Stage 4 benchmark: static vs continuous batching, side by side, on one ShareGPT-like trace.
 
-    python benchmarks/bench_throughput.py           # 48 requests, lengths x 1/8  (several minutes on CPU)
+    python benchmarks/bench_throughput.py           # 64 requests, lengths x 1/8, batch 16 (several minutes on CPU)
     python benchmarks/bench_throughput.py --quick   # 32 requests, lengths x 1/16 (2-3 minutes)
 
 Part 1 (SmolLM2-135M, float32, CPU, the same requests for every system, all arriving at t=0):
@@ -223,14 +223,16 @@ def main():
     ap.add_argument("--quick", action="store_true", help="a smaller run (about 3 minutes on a 2-core CPU)")
     ap.add_argument("--skip-part1", action="store_true")
     ap.add_argument("--skip-part2", action="store_true")
+    ap.add_argument("--batch", type=int, default=16, help="max_num_seqs, and the static batch size")
+    ap.add_argument("--requests", type=int, default=None, help="number of requests in part 1")
     args = ap.parse_args()
-    args.batch = 8
     if args.quick:
         args.num_requests, args.scale, args.sweep_requests = 32, 1 / 16, 24
         args.seqs_sweep, args.budget_sweep, args.block_sizes = [2, 8, 32], [16, 64, 512], [4, 16]
     else:
-        args.num_requests, args.scale, args.sweep_requests = 48, 1 / 8, 48
+        args.num_requests, args.scale, args.sweep_requests = 64, 1 / 8, 48
         args.seqs_sweep, args.budget_sweep, args.block_sizes = [1, 2, 4, 8, 16, 32], [8, 16, 32, 64, 256, 512], [4, 8, 16, 32]
+    args.num_requests = args.requests or args.num_requests
     args.preempt_cache_tokens = 512
     t0 = time.perf_counter()
     if not args.skip_part1:

@@ -4,17 +4,9 @@ import functools
 
 import pytest
 
-import tinypaged.llm_engine as llm_engine
 from tinypaged import LLM, SamplingParams
 
-_load = functools.lru_cache(maxsize=None)(llm_engine.load_model)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def shared_weights():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", _load)
-        yield
+pytestmark = pytest.mark.usefixtures("shared_weights")
 
 
 @functools.lru_cache(maxsize=None)

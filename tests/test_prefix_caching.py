@@ -3,7 +3,6 @@
 import random
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -13,13 +12,7 @@ from tinypaged.block_manager import ROOT_HASH, BlockManager, hash_block_tokens
 from tinypaged.sequence import Sequence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The "tiny" model's ops are small: one torch thread is faster on a shared CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 BS = 4

@@ -6,18 +6,9 @@ import logging
 
 import pytest
 
-import tinypaged.llm_engine as llm_engine
 from tinypaged import LLM, EngineConfig, SamplingParams
 
-# One model per (name, dtype): weights are read-only at inference, so engines can share them.
-_load = functools.lru_cache(maxsize=None)(llm_engine.load_model)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def shared_weights():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", _load)
-        yield
+pytestmark = pytest.mark.usefixtures("shared_weights")
 
 
 def tiny(**kw):

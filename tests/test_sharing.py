@@ -4,19 +4,13 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.beam_search import beam_search
+from tinypaged.beam_search import beam_search, analytic_shared_blocks
 from tinypaged.block_manager import BlockManager
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The "tiny" model's ops are small: one torch thread is faster on a shared CPU (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 BS = 4
@@ -168,26 +162,13 @@ def test_beam_search_matches_transformers(llm, hf, width, eos, length_penalty, e
     _assert_all_free(llm)
 
 
-def _analytic_blocks(beams_by_prompt, bs):
-    """Blocks beams hold with sharing: one per distinct (prompt, full-block prefix), plus each beam's
-    partial last block (private: every beam has just written into it, after copy-on-write)."""
-    full = set()
-    partial = 0
-    for p, beams in enumerate(beams_by_prompt):
-        for b in beams:
-            toks = b.token_ids
-            full.update((p, tuple(toks[: (i + 1) * bs])) for i in range(len(toks) // bs))
-            partial += len(toks) % bs != 0
-    return len(full) + partial
-
-
 def test_beam_search_block_accounting(llm):
     eng = llm.llm_engine
     checks = []
 
     def watch(beams_by_prompt):
         used = eng.kv.num_blocks - eng.kv.num_free_blocks
-        checks.append((used, _analytic_blocks(beams_by_prompt, BS),
+        checks.append((used, analytic_shared_blocks(beams_by_prompt, BS),
                        sum(-(-len(b) // BS) for beams in beams_by_prompt for b in beams), eng.kv.stats()["kv_blocks_unshared"]))
 
     stats = {}

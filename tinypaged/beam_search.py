@@ -215,3 +215,15 @@ def _advance(kv, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchPar
         b.cumulative_logprob = float(val)
     st.beams = beams
     st.scores = torch.stack([c[2] for c in running])
+
+
+def analytic_shared_blocks(beams_by_prompt, block_size: int) -> int:
+    """Blocks live beams must hold with sharing: one per distinct (prompt, full-block prefix), plus
+    each beam's partial last block (private: every beam has just written into it, after copy-on-write)."""
+    full, partial = set(), 0
+    for p, beams in enumerate(beams_by_prompt):
+        for b in beams:
+            toks = b.token_ids
+            full.update((p, tuple(toks[: (i + 1) * block_size])) for i in range(len(toks) // block_size))
+            partial += len(toks) % block_size != 0
+    return len(full) + partial
