@@ -4,4 +4,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/python -m tinypaged prepare
-exec .venv/bin/jupyter lab --notebook-dir=. notebooks/01_contiguous_kv_cache.ipynb "$@"
+extra=()
+[ "$(id -u)" = 0 ] && extra+=(--allow-root)   # containers often run as root; Jupyter refuses that by default
+exec .venv/bin/jupyter lab --notebook-dir=. "${extra[@]}" notebooks/01_contiguous_kv_cache.ipynb "$@"
