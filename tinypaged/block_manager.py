@@ -338,6 +338,5 @@ class BlockManager:
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "prefix_cache_evictions": self.pool.num_evictions,
-            "kv_blocks_referenced": used,
             "kv_blocks_unshared": unshared,
         }
