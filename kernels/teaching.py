@@ -7,6 +7,8 @@
 
 import torch
 
+from tinypaged.block_manager import blocks_needed
+
 
 def online_softmax_update(m, l, acc, scores, values):
     """Fold one chunk of keys into a running softmax-weighted sum, without revisiting old chunks.
@@ -32,7 +34,7 @@ def random_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, 
     so reading it cannot crash but would change the answer), else hold -1.
     """
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    blocks_per_seq = [blocks_needed(n, block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 2
     physical = torch.randperm(num_blocks, generator=gen).tolist()
     fill = -1 if pad_block is None else pad_block

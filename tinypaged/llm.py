@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
@@ -106,8 +107,6 @@ class LLM:
 
 
 def _wait_for_next_arrival(engine: LLMEngine) -> None:
-    import time
-
     waiting = engine.scheduler.waiting
     if waiting:
         delay = waiting[0].times.arrival - engine.clock()

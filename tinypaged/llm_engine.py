@@ -310,7 +310,7 @@ class LLMEngine:
             elif token in p.stop_token_ids:
                 reason, seq.stop_reason = "stop", token
             elif p.stop_strings:
-                text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+                text = self.detokenize(seq.output_token_ids)
                 hits = [(text.find(s), s) for s in p.stop_strings if s in text]
                 if hits:
                     at, s = min(hits)

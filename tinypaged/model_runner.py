@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tinypaged.attention import ForwardContext, contiguous_context_slots, paged_context_slots
+from tinypaged.block_manager import blocks_needed
 
 
 class ModelRunner:
@@ -24,7 +25,7 @@ class ModelRunner:
         return contiguous_context_slots(starts, context_len)
 
     def block_tables(self, seqs, context_len: int) -> torch.Tensor:
-        width = max(1, -(-context_len // self.kv.block_size))
+        width = max(1, blocks_needed(context_len, self.kv.block_size))
         rows = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 

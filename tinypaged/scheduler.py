@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from tinypaged.block_manager import blocks_needed
 from tinypaged.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("tinypaged")
@@ -282,7 +283,7 @@ class BlockCounter:
             raise ValueError("the requests hold more blocks than the cache has")
 
     def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
+        return blocks_needed(tokens, self.block_size)
 
     @property
     def used(self) -> int:

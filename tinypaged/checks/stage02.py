@@ -11,6 +11,7 @@ import random
 import torch
 
 from tinypaged import attention
+from tinypaged.block_manager import blocks_needed
 from tinypaged.checks import register
 
 
@@ -37,7 +38,7 @@ class BlockAllocator:
 
 def allocate_for(table: list[int], num_tokens: int, block_size: int, allocator) -> bool:
     """Reference: grow ``table`` to hold ``num_tokens`` tokens, one block at a time, or change nothing."""
-    need = -(-num_tokens // block_size) - len(table)
+    need = blocks_needed(num_tokens, block_size) - len(table)
     if need > allocator.num_free:
         return False
     for _ in range(max(need, 0)):
@@ -117,7 +118,7 @@ def check_allocate_for(fn) -> None:
         for _ in range(20):
             n += rng.randint(0, 7)
             assert fn(t, n, bs, alloc) is True, f"{n} tokens with block_size {bs} fit in 160 blocks, but got False"
-            assert len(t) == -(-n // bs), f"{n} tokens with block_size {bs} need {-(-n // bs)} blocks, table has {len(t)}"
+            assert len(t) == blocks_needed(n, bs), f"{n} tokens with block_size {bs} need {blocks_needed(n, bs)} blocks, table has {len(t)}"
         assert len(set(t)) == len(t), f"a block appears twice in one table: {t}"
 
 

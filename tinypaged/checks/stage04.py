@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from tinypaged.block_manager import blocks_needed
 from tinypaged.checks import register
 from tinypaged.scheduler import BlockCounter, PlanRequest
 
@@ -82,7 +83,7 @@ def check_schedule_step(schedule_step):
         held, running = {}, []
         for i in range(rng.randint(0, 5)):
             t = rng.randint(1, 3 * bs)
-            if sum(-(-v // bs) for v in held.values()) + -(-t // bs) > nb:
+            if sum(blocks_needed(v, bs) for v in held.values()) + blocks_needed(t, bs) > nb:
                 break
             held[f"r{i}"] = t
             running.append(_R(f"r{i}", rng.choice([1, 1, 1, rng.randint(1, 10)])))
