@@ -32,7 +32,7 @@ class Check:
 
 
 REGISTRY: dict[str, Check] = {}
-STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05")
+STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06")
 
 
 def register(stage: str, target: str, reference: Callable[[], object], points: int = 1):

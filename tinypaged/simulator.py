@@ -1,0 +1,306 @@
+"""Stage 6: the paper's scale without its GPU. A discrete-event simulator over the REAL scheduler.
+
+The simulator builds tinypaged's own ``Scheduler`` and KV manager (paged ``BlockManager`` or
+contiguous ``ContiguousKVManager``) from an ``EngineConfig`` and replays a trace on a virtual
+clock. Each step it asks the scheduler for a batch, advances the clock by ``cost_model(batch)``,
+and then does what the engine does after a forward: the scheduled tokens are now computed, a
+sequence whose prompt is done gets one (dummy) token, a sequence that reached its trace's output
+length finishes and frees its memory. No model runs, so admission, preemption and reservation
+behave exactly as in the engine while a thousand requests take seconds, not hours.
+
+All coupling to engine internals lives in ``ModelFreeEngine`` (one small class): the engine is
+being refactored, and only that class should need to follow it.
+
+Cost models map a ``BatchShape`` (tokens, sequences, context read) to seconds:
+
+* ``LinearCostModel``: fitted (non-negative least squares) to step times measured on this machine;
+* ``RooflineCostModel``: the slower of compute and memory traffic on a GPU; ``OPT13B_A100`` is
+  OPT-13B in fp16 on one A100-40GB, the paper's main setting.
+
+Invariants: a simulation is deterministic given its trace and cost model; every request in the
+trace finishes (a request that can never fit raises ``ValueError`` up front, like the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from tinypaged.serving import (BatchShape, RequestRecord, ServingRun, StepRecord, get_system, quiet,
+                               scaled_max_model_len, system_config)
+from tinypaged.workloads import TraceRequest
+
+
+# -- the adapter: the only code that knows the engine's internals -------------------------------------
+class ModelFreeEngine:
+    """The engine's scheduling and KV bookkeeping without a model (the simulator's only coupling).
+
+    ``schedule(now)`` returns the scheduler's batch as ``(seq, start, num_tokens, kind)`` tuples;
+    ``complete(batch, now)`` does the post-forward bookkeeping and returns the sequences that finished.
+    """
+
+    DUMMY_TOKEN = 0
+
+    def __init__(self, config):
+        from tinypaged.block_manager import BlockManager
+        from tinypaged.contiguous import ContiguousKVManager
+        from tinypaged.scheduler import Scheduler
+
+        config.finalize(config.max_model_len or 2048)
+        if config.kv_cache_tokens is not None:
+            tokens = config.kv_cache_tokens
+        elif config.num_gpu_blocks_override is not None:
+            tokens = config.num_gpu_blocks_override * config.block_size
+        else:
+            raise ValueError("the simulator needs the KV size in tokens: pass kv_cache_tokens= "
+                             "(or num_gpu_blocks_override=)")
+        if config.preemption_mode != "recompute":
+            raise ValueError("the simulator models recompute preemption only (vLLM v1); "
+                             "use preemption_mode='recompute'")
+        self.config = config
+        if config.kv_cache == "contiguous":
+            self.kv = ContiguousKVManager(tokens, config.reservation_policy, config.max_model_len)
+        else:
+            self.kv = BlockManager(tokens // config.block_size, config.block_size, config.enable_prefix_caching)
+        self.now = 0.0
+        self.scheduler = Scheduler(config, self.kv, clock=lambda: self.now)
+        self.targets: dict[int, int] = {}  # seq_id -> output length to produce
+
+    def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
+        from tinypaged.sampling_params import SamplingParams
+        from tinypaged.sequence import Sequence
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        seq = Sequence(request_id, prompt_ids, params, 0, arrival)
+        need = self.kv.tokens_needed(seq) if self.config.kv_cache == "contiguous" \
+            else seq.max_total_tokens(self.config.max_model_len)
+        if len(prompt_ids) + output_len > self.config.max_model_len or need > self.kv.capacity_tokens:
+            raise ValueError(f"Request {request_id} (prompt {len(prompt_ids)} + output {output_len} tokens, "
+                             f"reserving {need}) can never run: max_model_len is {self.config.max_model_len} "
+                             f"and the KV cache holds {self.kv.capacity_tokens} tokens")
+        self.targets[seq.seq_id] = output_len
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def schedule(self, now: float) -> tuple[list[tuple], int]:
+        """(batch, number of sequences preempted while forming it)."""
+        self.now = now
+        out = self.scheduler.schedule()
+        return [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.kind) for s in out.scheduled], len(out.preempted)
+
+    def complete(self, batch, now: float) -> list:
+        from tinypaged.sequence import SequenceStatus
+
+        self.now = now
+        done = []
+        for seq, start, n, _ in batch:
+            seq.num_computed_tokens = start + n
+            if seq.num_computed_tokens < len(seq):
+                continue  # a prefill chunk that does not reach the end samples nothing
+            seq.output_token_ids.append(self.DUMMY_TOKEN)
+            seq.times.token_times.append(now)
+            if seq.times.first_token is None:
+                seq.times.first_token = now
+            if len(seq.output_token_ids) >= self.targets[seq.seq_id]:
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "length"
+                seq.times.finished = now
+                self.scheduler.finish(seq)
+                done.append(seq)
+        return done
+
+    def static_batch_slots(self, num_seqs: int) -> int:
+        if self.config.scheduler == "static":
+            return max(self.scheduler.static_batch_size, num_seqs)
+        return num_seqs
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+# -- cost models ----------------------------------------------------------------------------------------
+FEATURES = ("step", "token", "sequence", "context token")
+
+
+def features(shape: BatchShape) -> tuple[float, ...]:
+    return (1.0, shape.num_tokens, shape.num_seqs, shape.context_tokens)
+
+
+@dataclass(frozen=True)
+class LinearCostModel:
+    """seconds = per_step + per_token x tokens + per_seq x sequences + per_context x context tokens read."""
+
+    per_step: float
+    per_token: float
+    per_seq: float
+    per_context: float
+
+    def __call__(self, shape: BatchShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, features(shape)))
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.per_step, self.per_token, self.per_seq, self.per_context)
+
+    @classmethod
+    def fit(cls, steps: list[StepRecord], min_steps: int = 8) -> "LinearCostModel":
+        """Non-negative least squares over measured steps (each step's duration vs its batch shape)."""
+        import numpy as np
+
+        if len(steps) < min_steps:
+            raise ValueError(f"calibration needs at least {min_steps} measured steps, got {len(steps)}")
+        X = np.array([features(s.shape) for s in steps], dtype=float)
+        y = np.array([s.duration for s in steps], dtype=float)
+        scale = X.max(axis=0)
+        scale[scale == 0] = 1.0
+        active = list(range(X.shape[1]))
+        while True:  # drop a negative coefficient and refit until none is left
+            coef, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
+            if (coef >= 0).all() or len(active) == 1:
+                break
+            active.pop(int(np.argmin(coef)))
+        full = [0.0] * X.shape[1]
+        for i, c in zip(active, coef):
+            full[i] = max(float(c), 0.0) / scale[i]
+        return cls(*full)
+
+    def describe(self) -> str:
+        return (f"{self.per_step * 1e3:.2f} ms per step + {self.per_token * 1e3:.3f} ms per token + "
+                f"{self.per_seq * 1e3:.3f} ms per sequence + {self.per_context * 1e6:.3f} us per context token")
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """A step takes the longer of its arithmetic at peak FLOP/s and its memory traffic at peak bandwidth.
+
+    FLOPs: 2 x parameters per token (every weight is multiplied once per token) plus 4 x layers x
+    hidden per (query, key) pair (scores and the weighted sum of values). Bytes: all weights once per
+    step, the keys and values attention reads, and the new tokens' keys and values written. Nothing
+    else (no kernel launch or scheduling overhead unless ``per_step`` says so).
+    """
+
+    name: str
+    params: float
+    weight_bytes: float
+    num_layers: int
+    hidden: int
+    kv_bytes_per_token: float
+    peak_flops: float
+    hbm_bandwidth: float
+    per_step: float = 0.0
+
+    def flops(self, shape: BatchShape) -> float:
+        return 2 * self.params * shape.num_tokens + 4 * self.num_layers * self.hidden * shape.attention_pairs
+
+    def bytes(self, shape: BatchShape) -> float:
+        return self.weight_bytes + self.kv_bytes_per_token * (shape.context_tokens + shape.num_tokens)
+
+    def __call__(self, shape: BatchShape) -> float:
+        return max(self.flops(shape) / self.peak_flops, self.bytes(shape) / self.hbm_bandwidth) + self.per_step
+
+
+# OPT-13B (40 layers, hidden 5120) in fp16 on one A100-40GB. The paper: 26 GB of parameters,
+# 800 KB of KV per token (2 x 5120 x 40 x 2 bytes), 12 GB left for the KV cache (Table 1).
+# A100-40GB: 1,555 GB/s of HBM2 bandwidth, 312 TFLOP/s dense fp16 on tensor cores (NVIDIA's data sheet).
+OPT13B_A100 = RooflineCostModel(
+    name="OPT-13B fp16 on A100-40GB (roofline)", params=13e9, weight_bytes=26e9, num_layers=40, hidden=5120,
+    kv_bytes_per_token=2 * 5120 * 40 * 2, peak_flops=312e12, hbm_bandwidth=1555e9,
+)
+
+
+# -- the event loop -----------------------------------------------------------------------------------------
+def _prompt(r: TraceRequest, distinct: bool) -> list[int]:
+    if not distinct:
+        return [1] * r.prompt_len  # contents only matter to prefix caching
+    from tinypaged.workloads import prompt_token_ids
+
+    return prompt_token_ids(r, 32000)
+
+
+def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: float | None = None,
+             max_steps: int | None = None, **common) -> ServingRun:
+    """Serve ``trace`` with one system on a virtual clock; ``common`` are engine knobs shared by all
+    systems (``kv_cache_tokens`` is required; ``max_num_seqs``, ``max_model_len``, ``block_size``, ...).
+    """
+    from tinypaged.config import EngineConfig
+
+    config = EngineConfig(model="(simulated)", device="cpu", **system_config(system, **common))
+    eng = ModelFreeEngine(config)
+    arrivals = sorted(trace, key=lambda r: r.arrival_time)
+    seqs = {}
+    for r in arrivals:
+        seq = eng.add(str(r.request_id), _prompt(r, config.enable_prefix_caching), r.output_len, r.arrival_time)
+        seqs[seq.seq_id] = r
+    requests, steps = [], []
+    now, i_next = 0.0, 0
+    with quiet(logging.ERROR):
+        while eng.has_unfinished():
+            batch, _ = eng.schedule(now)
+            if not batch:
+                while i_next < len(arrivals) and arrivals[i_next].arrival_time <= now:
+                    i_next += 1
+                if i_next == len(arrivals):
+                    raise RuntimeError("the scheduler made no progress with every request arrived")
+                now = arrivals[i_next].arrival_time  # idle until the next request arrives
+                continue
+            shape = BatchShape.of((start, n, kind) for _, start, n, kind in batch)
+            end = now + cost_model(shape)
+            for seq in eng.complete(batch, end):
+                r = seqs[seq.seq_id]
+                requests.append(RequestRecord(seq.request_id, r.prompt_len, r.output_len, seq.times.arrival,
+                                              seq.times.first_token, seq.times.finished, seq.num_preemptions))
+            steps.append(StepRecord(now, end, shape, eng.static_batch_slots(shape.num_seqs)))
+            now = end
+            if max_steps is not None and len(steps) >= max_steps:
+                raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
+    requests.sort(key=lambda r: r.arrival)
+    return ServingRun(system, rate, requests, steps, config.max_num_seqs, eng.num_preemptions, simulated=True)
+
+
+# -- sweeps ---------------------------------------------------------------------------------------------------
+@dataclass
+class Sweep:
+    """Mean normalized latency per (system, rate), and what that means for sustainable rates."""
+
+    rates: list[float]
+    latency: dict[str, list[float]] = field(default_factory=dict)
+    batched: dict[str, list[float]] = field(default_factory=dict)
+    runs: dict[tuple[str, float], ServingRun] = field(default_factory=dict)
+
+    def sustainable(self, threshold: float) -> dict[str, float]:
+        from tinypaged.serving import sustainable_rate
+
+        return {s: sustainable_rate(self.rates, lat, threshold) for s, lat in self.latency.items()}
+
+
+def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, keep_runs: bool = False,
+          **common) -> Sweep:
+    """Simulate every system at every rate (the same request lengths, fresh Poisson arrivals per rate)."""
+    from tinypaged.serving import with_rate
+
+    out = Sweep(list(rates))
+    for s in systems:
+        get_system(s)
+        out.latency[s], out.batched[s] = [], []
+        for rate in out.rates:
+            run = simulate(with_rate(trace, rate, seed), cost_model, s, rate, **common)
+            m = run.summary()
+            out.latency[s].append(m["normalized_latency"])
+            out.batched[s].append(m["batched"])
+            if keep_runs:
+                out.runs[(s, rate)] = run
+    return out
+
+
+def paper_setup(scale: float = 1.0, kv_tokens: int | None = None, **kw) -> dict:
+    """Common knobs for a paper-like comparison at ``scale``: max_model_len 2048 x scale, the paper's
+    KV budget (15.7K token slots) x scale, block 16, max_num_seqs 256 (vLLM's default)."""
+    from tinypaged.serving import PAPER_KV_TOKENS
+
+    return {"max_model_len": scaled_max_model_len(scale),
+            "kv_cache_tokens": kv_tokens or int(PAPER_KV_TOKENS * scale), "block_size": 16,
+            "max_num_seqs": 256, **kw}
