@@ -119,8 +119,10 @@ class ForwardContext:
                 )
             else:
                 positions = (self.decode_lens - 1)[:, None]
+                # padding past a short context may run off the arena's end (contiguous); it is masked anyway
+                slots = self.decode_slots.clamp(max=K.shape[0] - 1)
                 out[self.decode_rows] = attend_gathered(
-                    qd[:, None], K[self.decode_slots], V[self.decode_slots], positions, self.decode_lens, scale
+                    qd[:, None], K[slots], V[slots], positions, self.decode_lens, scale
                 )[:, 0]
         for start, end, slots, first_pos in self.prefills:
             n = end - start
