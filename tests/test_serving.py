@@ -163,7 +163,10 @@ def test_bench_serving_says_why_it_skips_vllm():
 
 def test_serving_run_summary_weights_steps_equally():
     steps = [StepRecord(0, 1, BatchShape(num_seqs=2), 4), StepRecord(1, 3, BatchShape(num_seqs=4), 4)]
-    reqs = [RequestRecord("a", 1, 2, 0.0, 1.0, 3.0)]
+    reqs = [RequestRecord("a", 1, 2, 0.0, 3.0, 3.0)]
     m = ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()
     assert m["batched"] == 3 and m["useful_slot_share"] == 6 / 8 and m["occupancy"] == 3 / 8
     assert m["step_time"] == 1.5 and m["throughput"] == 2 / 3
+    # the drain after the last request started is left out of the batch average
+    reqs = [RequestRecord("a", 1, 2, 0.0, 1.0, 3.0)]
+    assert ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()["batched"] == 2

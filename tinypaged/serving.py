@@ -207,6 +207,10 @@ class ServingRun:
         n = len(reqs)
         mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
         busy = sum(s.duration for s in steps)
+        # A finite trace ends with a drain (no new requests, the batch empties): average the batch over
+        # the steps up to the last request's first token, as a long trace would be dominated by them.
+        last_start = max((r.first_token for r in reqs), default=0.0)
+        loaded = [s for s in steps if s.end <= last_start] or steps
         makespan = max(r.finished for r in reqs) - min(r.arrival for r in reqs) if reqs else 0.0
         slots = sum(s.batch_slots for s in steps)
         return {
@@ -214,9 +218,9 @@ class ServingRun:
             "normalized_latency": mean([r.normalized_latency for r in reqs]),
             "ttft": mean([r.ttft for r in reqs]), "tpot": mean([r.tpot for r in reqs if r.output_len > 1]),
             "e2e": mean([r.e2e for r in reqs]),
-            "batched": mean([s.num_seqs for s in steps]),  # requests in a step's batch, averaged over steps
+            "batched": mean([s.num_seqs for s in loaded]),  # requests in a step's batch, per step, while loaded
             "useful_slot_share": sum(s.num_seqs for s in steps) / slots if slots else 0.0,
-            "occupancy": mean([s.num_seqs for s in steps]) / self.max_num_seqs if steps else 0.0,
+            "occupancy": mean([s.num_seqs for s in loaded]) / self.max_num_seqs if steps else 0.0,
             "step_time": busy / len(steps) if steps else float("nan"),
             "steps": len(steps), "preemptions": self.num_preemptions,
             "throughput": sum(r.output_len for r in reqs) / makespan if makespan else float("nan"),
@@ -313,9 +317,66 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
                 if not engine.has_unfinished_requests():
                     raise RuntimeError("the engine finished without returning every request")
                 continue
-            time.sleep(max(0.0, arrivals[i_next] - now))
+            _wait_until(engine.clock, arrivals[i_next])
     requests.sort(key=lambda r: r.arrival)
     return ServingRun(system, rate, requests, steps, engine.config.max_num_seqs, preemptions)
+
+
+def _wait_until(clock, t: float, spin: float = 0.002) -> None:
+    """Sleep until ``t`` on ``clock``, waking early and spinning the last ``spin`` seconds: a sleep
+    can overshoot by a millisecond or more, which a server woken by its socket would not add."""
+    delay = t - clock()
+    if delay > spin:
+        time.sleep(delay - spin)
+    while clock() < t:
+        pass
+
+
+@dataclass
+class Experiment:
+    """Every system serving one trace: all requests at once (``rate`` None: the closed loop, whose
+    schedule involves no timing), then Poisson arrivals at each rate. ``runs[(system, rate)]``."""
+
+    trace: list[TraceRequest]
+    common: dict
+    runs: dict = field(default_factory=dict)
+
+    def capacity(self, system: str = "vllm") -> float:
+        """Requests per second the system completed with every request queued at t=0."""
+        run = self.runs[(system, None)]
+        return len(run.requests) / max(r.finished for r in run.requests)
+
+    def rates(self) -> list[float]:
+        return sorted({k[1] for k in self.runs if k[1] is not None})
+
+    def latency(self, system: str) -> list[float]:
+        return [self.runs[(system, r)].summary()["normalized_latency"] for r in self.rates()]
+
+
+def serve_systems(model: str, trace: list[TraceRequest], common: dict, rates=(), systems=SYSTEM_NAMES,
+                  device: str = "cpu", dtype: str = "float32", seed: int = 0, log=None) -> Experiment:
+    """Run the closed loop for every system, then a real-time replay at each of ``rates`` (requests/s),
+    the systems taking turns at each rate (so a drift in the machine's speed hits them alike).
+
+    Every system gets the same model, trace and ``common`` knobs (KV size, ``max_num_seqs``, ...).
+    """
+    from tinypaged import LLM
+
+    exp = Experiment(trace, dict(common))
+    llms = {}
+    with quiet(), shared_weights():
+        for name in systems:
+            llms[name] = LLM(model, device=device, dtype=dtype, seed=seed, **system_config(name, **common))
+            replay(llms[name], with_rate(trace[:4], 1000.0, seed), name)  # warm-up
+            exp.runs[(name, None)] = replay(llms[name], trace, name, None, seed)
+        for rate in rates:
+            moved = with_rate(trace, rate, seed)
+            for name in systems:
+                t0 = time.perf_counter()
+                exp.runs[(name, rate)] = replay(llms[name], moved, name, rate, seed)
+                if log:
+                    log(f"  {get_system(name).label:14s} {rate:7g} req/s: {time.perf_counter() - t0:5.1f} s wall")
+    return exp
 
 
 # -- the same replay on vLLM ---------------------------------------------------------------------------
@@ -350,7 +411,7 @@ def replay_vllm(engine, trace: list[TraceRequest], sampling_params_cls, rate: fl
             info[rid] = r
             i += 1
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, pending[i].arrival_time - now()))
+            _wait_until(now, pending[i].arrival_time)
             continue
         start = now()
         outs = engine.step()

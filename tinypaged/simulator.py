@@ -165,7 +165,7 @@ class LinearCostModel:
             active.pop(int(np.argmin(coef)))
         full = [0.0] * X.shape[1]
         for i, c in zip(active, coef):
-            full[i] = max(float(c), 0.0) / scale[i]
+            full[i] = max(float(c), 0.0) / float(scale[i])
         return cls(*full)
 
     def describe(self) -> str:
@@ -264,9 +264,9 @@ def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: 
 # -- sweeps ---------------------------------------------------------------------------------------------------
 @dataclass
 class Sweep:
-    """Mean normalized latency per (system, rate), and what that means for sustainable rates."""
+    """Mean normalized latency and requests batched per system, at that system's rates."""
 
-    rates: list[float]
+    rates: dict[str, list[float]] = field(default_factory=dict)
     latency: dict[str, list[float]] = field(default_factory=dict)
     batched: dict[str, list[float]] = field(default_factory=dict)
     runs: dict[tuple[str, float], ServingRun] = field(default_factory=dict)
@@ -274,19 +274,30 @@ class Sweep:
     def sustainable(self, threshold: float) -> dict[str, float]:
         from tinypaged.serving import sustainable_rate
 
-        return {s: sustainable_rate(self.rates, lat, threshold) for s, lat in self.latency.items()}
+        return {s: sustainable_rate(self.rates[s], lat, threshold) for s, lat in self.latency.items()}
+
+    def at(self, system: str, rate: float, what: str = "batched") -> float:
+        """``what`` ("batched" or "latency") of ``system`` at its simulated rate nearest ``rate``."""
+        rates = self.rates[system]
+        i = min(range(len(rates)), key=lambda k: abs(rates[k] - rate))
+        return getattr(self, what)[system][i]
 
 
 def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, keep_runs: bool = False,
           **common) -> Sweep:
-    """Simulate every system at every rate (the same request lengths, fresh Poisson arrivals per rate)."""
+    """Simulate every system at every rate: the same request lengths, fresh Poisson arrivals per rate.
+
+    ``rates`` is one list for all systems, or ``{system: rates}`` (a slow system needs low rates only,
+    and low rates are the expensive ones to simulate: many small steps).
+    """
     from tinypaged.serving import with_rate
 
-    out = Sweep(list(rates))
+    out = Sweep()
     for s in systems:
         get_system(s)
+        out.rates[s] = sorted(rates[s] if isinstance(rates, dict) else rates)
         out.latency[s], out.batched[s] = [], []
-        for rate in out.rates:
+        for rate in out.rates[s]:
             run = simulate(with_rate(trace, rate, seed), cost_model, s, rate, **common)
             m = run.summary()
             out.latency[s].append(m["normalized_latency"])
@@ -294,6 +305,73 @@ def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, 
             if keep_runs:
                 out.runs[(s, rate)] = run
     return out
+
+
+@dataclass
+class Validation:
+    rate: float
+    measured: float  # mean normalized latency, real engine (s/token)
+    predicted: float  # the simulator's, same trace and arrivals
+    step_model_error: float  # the cost model on the measured run's own batches: predicted busy time / measured - 1
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def calibrate(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> LinearCostModel:
+    """Fit a ``LinearCostModel`` to the steps of a closed-loop run (every request queued at once, so
+    every batch size from full down to one) of ``calibration_trace`` on ``llm``, measured now."""
+    from tinypaged.serving import replay
+
+    with quiet(logging.ERROR):
+        return LinearCostModel.fit(replay(llm, calibration_trace, system, None, seed).steps)
+
+
+def check_against(model, measured: dict, system: str = "vllm", **common) -> list[Validation]:
+    """Simulate each measured real-time run (``{rate: ServingRun}``, same requests and arrivals) with
+    ``model`` and compare mean normalized latencies."""
+    out = []
+    for rate, real in sorted(measured.items()):
+        trace = [TraceRequest(int(r.request_id.rsplit(":", 1)[-1]), r.prompt_len, r.output_len, r.arrival)
+                 for r in real.requests]
+        sim = simulate(trace, model, system, rate, **common)
+        busy = sum(s.duration for s in real.steps)
+        out.append(Validation(rate, real.summary()["normalized_latency"], sim.summary()["normalized_latency"],
+                              sum(model(s.shape) for s in real.steps) / busy - 1))
+    return out
+
+
+def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceRequest], rates, system: str = "vllm",
+             seed: int = 0, **common) -> tuple[LinearCostModel, list[Validation]]:
+    """Calibrate on ``calibration_trace`` (other requests), then at each rate replay ``trace`` in real
+    time and simulate it with the fitted model: measured vs predicted latency."""
+    from tinypaged.serving import replay, with_rate
+
+    model = calibrate(llm, calibration_trace, system, seed)
+    with quiet(logging.ERROR):
+        measured = {rate: replay(llm, with_rate(trace, rate, seed), system, rate, seed) for rate in rates}
+    return model, check_against(model, measured, system, **common)
+
+
+def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fast: str = "vllm", num: int = 3,
+               factor: float = 5.0, **common) -> list[float]:
+    """``num`` request rates from ``slow``'s predicted knee to ``fast``'s (geometrically spaced), where a
+    knee is the highest rate whose simulated mean normalized latency stays under ``factor`` x ``fast``'s
+    at a light load. Used to pick real-time rates where the systems differ, on any machine's speed."""
+    from tinypaged.serving import sustainable_rate
+
+    mean_out = sum(r.output_len for r in trace) / len(trace)
+    n = common.get("max_num_seqs", 256)
+    full = BatchShape.of([(32, 1, "decode")] * n)
+    top = n / cost_model(full) / mean_out  # if every step were full: an upper bound on the rate
+    grid = [top * 2 ** (-k / 2) for k in range(12, -1, -1)]
+    sw = sweep(trace, cost_model, grid, [slow, fast], **common)
+    th = factor * sw.latency[fast][0]
+    lo, hi = (sustainable_rate(grid, sw.latency[s], th) or grid[0] for s in (slow, fast))
+    if hi <= lo:
+        hi = 2 * lo
+    return [round(float(lo * (hi / lo) ** (i / (num - 1))), 1) for i in range(num)] if num > 1 else [round(float(hi), 1)]
 
 
 def paper_setup(scale: float = 1.0, kv_tokens: int | None = None, **kw) -> dict:
