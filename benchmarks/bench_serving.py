@@ -41,12 +41,13 @@ from tinypaged.workloads import summarize
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
 
 # Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
-# Per dataset: length scale for the CPU; OPT-13B simulation: requests, static batching's rates, the others' rates.
+# Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
+# rates, the other systems' rates.
 DATASETS = {
-    "sharegpt": dict(scale=1 / 8, paper_requests=800, slow_rates=[0.1, 0.2, 0.3, 0.5],
-                     paper_rates=[0.5, 1, 1.5, 2, 2.5, 3, 4, 5, 6, 8]),
-    "alpaca": dict(scale=1 / 2, paper_requests=1000, slow_rates=[0.5, 1, 2, 3, 5],
-                   paper_rates=[5, 10, 25, 50, 100, 150, 200, 250, 300, 400]),
+    "sharegpt": dict(scale=1 / 8, paper_seconds=300, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
+                     paper_rates=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8]),
+    "alpaca": dict(scale=1 / 2, paper_seconds=30, slow_rates=[1, 2, 3, 5],
+                   paper_rates=[5, 10, 25, 50, 75, 100, 150, 200, 250, 300]),
 }
 
 
@@ -143,14 +144,15 @@ def realtime(args, dataset):
 # -- part 3 ----------------------------------------------------------------------------------------------
 def paper_scale(args, dataset):
     cfg = DATASETS[dataset]
-    n = cfg["paper_requests"] // (2 if args.quick else 1)
+    seconds = cfg["paper_seconds"] // (3 if args.quick else 1)
     rates = {s: cfg["slow_rates"] if s == "static" else cfg["paper_rates"] for s in SYSTEM_NAMES}
     setup = paper_setup(1.0)
-    trace = serving_trace(dataset, n, None, seed=0)
+    trace = serving_trace(dataset, round(max(cfg["paper_rates"]) * seconds), None, seed=0)
     t = time.perf_counter()
-    sw = sweep(trace, OPT13B_A100, rates, SYSTEM_NAMES, **setup)
-    say(f"\n== Part 3 ({dataset}): {OPT13B_A100.name}, {n} requests, KV {setup['kv_cache_tokens']} tokens, "
-        f"max_num_seqs {setup['max_num_seqs']}, block 16 ({time.perf_counter() - t:.1f} s to simulate) ==")
+    sw = sweep(trace, OPT13B_A100, rates, SYSTEM_NAMES, duration=seconds, min_requests=100, **setup)
+    say(f"\n== Part 3 ({dataset}): {OPT13B_A100.name}, {seconds} s of Poisson traffic per rate (at least 100 "
+        f"requests), KV {setup['kv_cache_tokens']} tokens, max_num_seqs {setup['max_num_seqs']}, block 16 "
+        f"({time.perf_counter() - t:.1f} s to simulate) ==")
     say("Mean normalized latency (s/token), Figure 12's y axis:")
     for s in SYSTEM_NAMES:
         say(f"  {get_system(s).label:14s} " + "  ".join(f"{r:g}: {lat:.3f}" for r, lat in zip(sw.rates[s], sw.latency[s])))

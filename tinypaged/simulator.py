@@ -284,11 +284,13 @@ class Sweep:
 
 
 def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, keep_runs: bool = False,
-          **common) -> Sweep:
+          duration: float | None = None, min_requests: int = 50, **common) -> Sweep:
     """Simulate every system at every rate: the same request lengths, fresh Poisson arrivals per rate.
 
-    ``rates`` is one list for all systems, or ``{system: rates}`` (a slow system needs low rates only,
-    and low rates are the expensive ones to simulate: many small steps).
+    ``rates`` is one list for all systems, or ``{system: rates}`` (a slow system needs low rates only).
+    With ``duration``, each rate replays ``rate x duration`` requests (at least ``min_requests``) from
+    the start of ``trace``, so every run is the same span of traffic: overload lasts as long at every
+    rate, and a high rate costs little more to simulate than a low one.
     """
     from tinypaged.serving import with_rate
 
@@ -298,7 +300,10 @@ def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, 
         out.rates[s] = sorted(rates[s] if isinstance(rates, dict) else rates)
         out.latency[s], out.batched[s] = [], []
         for rate in out.rates[s]:
-            run = simulate(with_rate(trace, rate, seed), cost_model, s, rate, **common)
+            n = len(trace) if duration is None else max(min_requests, round(rate * duration))
+            if n > len(trace):
+                raise ValueError(f"{rate} req/s for {duration} s needs {n} requests; the trace has {len(trace)}")
+            run = simulate(with_rate(trace[:n], rate, seed), cost_model, s, rate, **common)
             m = run.summary()
             out.latency[s].append(m["normalized_latency"])
             out.batched[s].append(m["batched"])
