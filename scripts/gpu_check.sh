@@ -134,19 +134,21 @@ else
     rm -f "$LOG_DIR"/gpu_check_nbval*.xml
     run_step nbval 240 40 bash -c "$(declare -f nbval_all); PY='$PY' LOG_DIR='$LOG_DIR' NOTEBOOKS=(${NOTEBOOKS[*]}) EXERCISES=(${EXERCISES[*]}); nbval_all"
     # A notebook passes when none of its cells failed (nbval reports one test per cell).
-    NB_PASSED=$("$PY" - "$LOG_DIR" <<'EOF'
+    NB_LINE=$("$PY" - "$LOG_DIR" "$NB_TOTAL" <<'EOF'
 import sys, glob, xml.etree.ElementTree as ET
-bad, seen = set(), set()
+bad, seen, cells, failed = set(), set(), 0, 0
 for f in glob.glob(f"{sys.argv[1]}/gpu_check_nbval*.xml"):
     for case in ET.parse(f).iter("testcase"):
         nb = (case.get("file") or case.get("classname", "")).split("::")[0]
         seen.add(nb)
+        cells += 1
         if case.find("failure") is not None or case.find("error") is not None:
             bad.add(nb)
-print(len(seen - bad))
+            failed += 1
+print(f"notebooks: {len(seen - bad)} of {sys.argv[2]} passed on the GPU ({cells - failed} of {cells} cells)"
+      + (f"; failed: {' '.join(sorted(bad))}" if bad else ""))
 EOF
 )
-    NB_LINE="notebooks: ${NB_PASSED:-0} of $NB_TOTAL passed on the GPU"
 fi
 (( ${#SKIPPED_NB[@]} )) && NB_LINE+="; ${#SKIPPED_NB[@]} skipped, SmolLM2 not installed: ${SKIPPED_NB[*]}"
 
