@@ -154,6 +154,9 @@ def lab(browser_env, tmp_path_factory, out_dir):
            "JUPYTERLAB_WORKSPACES_DIR": str(work / "lab-workspaces"), "PYTHONHASHSEED": "0",
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     env.pop("MPLBACKEND", None)  # the inline backend must draw into the page (Agg would draw nothing)
+    # One torch thread per kernel unless told otherwise: on a busy 2-core machine two threads that wait for
+    # each other run the SmolLM2 cells several times slower. (What is checked here does not depend on it.)
+    env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True"]
     if os.geteuid() == 0:
@@ -182,16 +185,24 @@ def lab(browser_env, tmp_path_factory, out_dir):
 
 
 @pytest.fixture(scope="module")
-def page(lab):
+def browser(lab):
     from playwright.sync_api import sync_playwright
 
     args = ["--disable-dev-shm-usage"] + (["--no-sandbox"] if os.geteuid() == 0 else [])
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=lab["chromium"], headless=True, args=args)
-        pg = browser.new_page(viewport={"width": 1400, "height": 1000})
-        pg.set_default_timeout(60_000)
-        yield pg
-        browser.close()
+        b = p.chromium.launch(executable_path=lab["chromium"], headless=True, args=args)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh tab per lesson (closing it skips the "leave page?" prompt of a notebook with unsaved runs)."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    pg = context.new_page()
+    pg.set_default_timeout(60_000)
+    yield pg
+    context.close()
 
 
 # What the page's JupyterLab reports about the open notebook (window.jupyterapp: expose_app_in_browser).
@@ -218,7 +229,8 @@ def notebook_state(page):
 @pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
 def test_lesson_runs_in_jupyterlab(path, lab, page, out_dir):
     name = path.name
-    page.goto(f"{lab['base']}/lab/tree/notebooks/{name}?token={lab['token']}")
+    # ?reset: open this notebook alone, not the tabs the previous lesson left in the workspace.
+    page.goto(f"{lab['base']}/lab/tree/notebooks/{name}?reset&token={lab['token']}")
     page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                            f" && window.jupyterapp.shell.currentWidget.title.label === {json.dumps(name)}",
                            timeout=120_000)
