@@ -4,7 +4,8 @@
 #   0. a Python with CUDA torch: .venv if it has one, else the machine's python3 (tinypaged is then
 #      installed into it with `pip install --no-deps --no-build-isolation -e .`, offline; wheels in
 #      .whl/ from scripts/gpu_wheels.sh are installed too), else scripts/setup_env.sh builds .venv
-#   1. tests/test_kernels.py + tests/test_triton_backend.py, compiled (the CPU runs them in the interpreter)
+#   1. tests/test_kernels.py + tests/test_triton_backend.py, compiled (the CPU runs them in the interpreter),
+#      and tests/test_gpu_sizing.py (KV sizing from gpu_memory_utilization; skipped without CUDA)
 #   2. benchmarks/bench_paged_attention.py --quick (pass --full to this script for the whole sweep)
 #   3. nbval on every notebook with TINYPAGED_DEVICE=cuda: notebooks/ and solutions/ strict, exercises/
 #      lax. Without nbval this step says SKIPPED; without SmolLM2 (not installed, and no network to get
@@ -106,7 +107,7 @@ grade_05() {
         && ! grep -q 'FAIL' <<<"$out"
 }
 
-run_step kernel_tests 240 300 "$PY" -m pytest tests/test_kernels.py tests/test_triton_backend.py -q -rs -p no:randomly
+run_step kernel_tests 240 300 "$PY" -m pytest tests/test_kernels.py tests/test_triton_backend.py tests/test_gpu_sizing.py -q -rs -p no:randomly
 run_step benchmark 120 200 "$PY" benchmarks/bench_paged_attention.py "${BENCH_ARGS[@]}"
 FIGURES+=("$(grep -h '^summary:' "$LOG_DIR/gpu_check_benchmark.log" 2>/dev/null | sed 's/^summary: /  /')")
 
