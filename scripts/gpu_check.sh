@@ -51,8 +51,17 @@ if [[ -z $PY ]]; then
 fi
 if ! "$PY" -c "import tinypaged" 2>/dev/null; then
     echo "== installing tinypaged into $PY (editable, no dependencies, offline)"
-    "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/gpu_check_install.log" 2>&1 \
-        || { tail -n 20 "$LOG_DIR/gpu_check_install.log"; exit 1; }
+    if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/gpu_check_install.log" 2>&1; then
+        # No write access to that Python: a tree of links on PYTHONPATH does what the install would
+        # (tinypaged/ as the package, kernels/ as tinypaged.kernels).
+        SHIM="${TMPDIR:-/tmp}/tinypaged-shim"
+        rm -rf "$SHIM" && mkdir -p "$SHIM/tinypaged"
+        for f in "$PWD"/tinypaged/*; do ln -s "$f" "$SHIM/tinypaged/"; done
+        ln -s "$PWD/kernels" "$SHIM/tinypaged/kernels"
+        export PYTHONPATH="$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+        echo "   (pip could not install it: using links in $SHIM; see $LOG_DIR/gpu_check_install.log)"
+    fi
+    "$PY" -c "import tinypaged.kernels" || { tail -n 20 "$LOG_DIR/gpu_check_install.log"; exit 1; }
 fi
 if [[ -d .whl ]] && ! "$PY" -c "import nbval, nbformat, ipykernel" 2>/dev/null; then
     # Carried wheels (scripts/gpu_wheels.sh): installed beside the image's packages, never over them.
