@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 
 chromium=${TINYPAGED_CHROMIUM:-$(command -v chromium || command -v chromium-browser || true)}
-if [ -z "$chromium" ]; then
+if [ -z "$chromium" ] || [ ! -x "$chromium" ]; then
   msg="browser test skipped: no Chromium found; to run it, install one (sudo apt-get install chromium) or set TINYPAGED_CHROMIUM=/path/to/chromium"
   if [ "${TINYPAGED_REQUIRE_BROWSER:-0}" = 1 ]; then echo "${msg/skipped/FAILED}" >&2; exit 1; fi
   echo "$msg"
