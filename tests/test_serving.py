@@ -13,7 +13,7 @@ from tinypaged import LLM, SamplingParams
 from tinypaged.serving import (SYSTEM_NAMES, RequestRecord, ServingRun, StepRecord, BatchShape, get_system, quiet,
                                rate_ratios, replay, replay_vllm, scaled_max_model_len, serving_table, serving_trace,
                                shared_weights, sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.workloads import summarize
+from tinypaged.workloads import TraceRequest, summarize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parent.parent
@@ -143,13 +143,18 @@ class FakeVLLMEngine:
 
 
 def test_vllm_replay_drives_the_engine_api_and_times_requests():
-    trace = serving_trace("alpaca", 5, rate=500.0, seed=0, scale=0.1)
+    trace = serving_trace("alpaca", 5, rate=None, seed=0, scale=0.1)  # all at t=0: no timing involved
     params = lambda **kw: SimpleNamespace(**kw)  # noqa: E731  (stands in for vllm.SamplingParams)
-    run = replay_vllm(FakeVLLMEngine(), trace, params, 500.0, max_num_seqs=2)
+    run = replay_vllm(FakeVLLMEngine(), trace, params, None, max_num_seqs=2)
     assert len(run.requests) == 5
     assert sorted(r.output_len for r in run.requests) == sorted(r.output_len for r in trace)
     assert all(r.arrival <= r.first_token <= r.finished for r in run.requests)
-    assert max(s.num_seqs for s in run.steps) == 2
+    assert [s.num_seqs for s in run.steps][0] == 2 and max(s.num_seqs for s in run.steps) == 2
+    # a late arrival is added only when its time comes
+    late = [TraceRequest(0, 3, 2, 0.0), TraceRequest(1, 3, 2, 0.05)]
+    run = replay_vllm(FakeVLLMEngine(), late, params, None)
+    first = {r.request_id: r for r in run.requests}
+    assert first["vllm-None-1"].first_token >= 0.05
 
 
 def test_bench_serving_says_why_it_skips_vllm():

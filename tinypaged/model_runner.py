@@ -1,35 +1,64 @@
-"""Runs one engine step through the model: flatten the scheduled tokens, build the attention
-context (slots of new tokens, slots of every sequence's context), forward, and return logits."""
+"""The model runner owns the device: the KV tensors, memory profiling, and one forward per step.
+
+Per step it flattens the scheduled tokens, asks the KV manager where each new token's keys and
+values go (``slot_mapping``) and where every sequence's context lives (block tables or context
+slots), builds the attention context, runs the model and returns the logits of the sequences that
+sample. ``check_slots`` enforces the KV manager's contract before anything is written.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from tinypaged.attention import ForwardContext, contiguous_context_slots, paged_context_slots
+import logging
+
+from tinypaged.attention import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.block_manager import blocks_needed
+from tinypaged.config import CPU_DEFAULT_KV_BYTES
+from tinypaged.interfaces import InvariantError, KVCacheSpec
+from tinypaged.kv_cache import KVCacheTensors, kv_bytes_per_token
+from tinypaged.model import head_dim_of
+
+logger = logging.getLogger("tinypaged")
 
 
 class ModelRunner:
-    def __init__(self, model, kv_manager, kv_tensors, device, backend: str = "torch"):
+    def __init__(self, model, device, backend, check_invariants: bool = False):
         self.model = model
-        self.kv = kv_manager
-        self.tensors = kv_tensors
         self.device = device
         self.backend = backend
+        self.check_invariants = check_invariants  # the costlier cross-sequence check (on for plug-ins)
+        self.kv = self.tensors = None
+        self.capacity = 0
+        hf = model.config
+        self.dtype = next(model.parameters()).dtype
+        self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
+        self.bytes_per_token = kv_bytes_per_token(*self.kv_shape, self.dtype)
 
-    def _context_slots(self, seqs, context_len: int) -> torch.Tensor:
-        if self.kv.kind == "paged":
-            tables = self.block_tables(seqs, context_len)
-            return paged_context_slots(tables, context_len, self.kv.block_size)
-        starts = torch.tensor([s.kv_region[0] for s in seqs], device=self.device)
-        return contiguous_context_slots(starts, context_len)
+    def attach(self, kv_manager, kv_tensors) -> None:
+        """The KV cache, once it is sized (profiling runs before it exists)."""
+        self.kv, self.tensors, self.capacity = kv_manager, kv_tensors, kv_tensors.num_slots
 
+    # -- where the context lives -----------------------------------------------------------
     def block_tables(self, seqs, context_len: int) -> torch.Tensor:
         width = max(1, blocks_needed(context_len, self.kv.block_size))
-        rows = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        rows = []
+        for s in seqs:
+            ids = self.kv.block_ids(s)[:width]
+            rows.append(ids + [0] * (width - len(ids)))
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
-    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int], list]:
+    def context_slots(self, seqs, context_len: int) -> torch.Tensor:
+        """[len(seqs), context_len] slot of every key position (the manager's fast path if it has one)."""
+        if hasattr(self.kv, "context_slots"):
+            return self.kv.context_slots(seqs, context_len).to(self.device)
+        if hasattr(self.kv, "block_ids"):
+            return paged_context_slots(self.block_tables(seqs, context_len), context_len, self.kv.block_size)
+        rows = [self.kv.slot_mapping(s, 0, context_len) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    # -- one step ----------------------------------------------------------------------------
+    def prepare(self, scheduled):
         input_ids, positions, slots = [], [], []
         decode_rows, decode_seqs, prefills = [], [], []
         logits_rows, sampling = [], []
@@ -39,7 +68,7 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self.kv.slot(seq, p) for p in range(start, start + n))
+            slots.extend(self.kv.slot_mapping(seq, start, start + n))
             if item.kind == "decode":
                 decode_rows.append(row0)
                 decode_seqs.append(seq)
@@ -49,30 +78,144 @@ class ModelRunner:
                 logits_rows.append(row0 + n - 1)
                 sampling.append(seq)
         dev = self.device
-        ctx = ForwardContext(
-            keys=self.tensors.keys, values=self.tensors.values,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            backend=self.backend, block_size=getattr(self.kv, "block_size", 1),
-        )
+        ctx = ForwardContext(self.tensors.keys, self.tensors.values,
+                             torch.tensor(slots, dtype=torch.long, device=dev), self.backend)
         if decode_seqs:
             lens = [s.num_computed_tokens + 1 for s in decode_seqs]
-            ctx.decode_rows = torch.tensor(decode_rows, device=dev)
-            ctx.decode_lens = torch.tensor(lens, device=dev)
-            if self.backend == "triton":
-                ctx.decode_block_tables = self.block_tables(decode_seqs, max(lens))
+            ctx.decode = DecodeBatch(torch.tensor(decode_rows, device=dev), torch.tensor(lens, device=dev),
+                                     self.kv.block_size)
+            if self.backend.uses_block_tables:
+                ctx.decode.block_tables = self.block_tables(decode_seqs, max(lens))
             else:
-                ctx.decode_slots = self._context_slots(decode_seqs, max(lens))
+                ctx.decode.context_slots = self.context_slots(decode_seqs, max(lens))
         for row0, row1, seq, start in prefills:
-            ctx.prefills.append((row0, row1, self._context_slots([seq], start + row1 - row0)[0], start))
+            ctx.prefills.append((row0, row1, self.context_slots([seq], start + row1 - row0)[0], start))
+        self.check_slots(ctx, scheduled)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, ctx, logits_rows, sampling
 
+    def check_slots(self, ctx: ForwardContext, scheduled) -> None:
+        """The KV manager's contract, checked before the forward writes anything: every new token gets
+        its own slot inside the cache, and (for plug-ins) no slot another sequence has cached."""
+        writes = ctx.slot_mapping
+        if writes.numel() == 0:
+            return
+        if int(writes.min()) < 0 or int(writes.max()) >= self.capacity:
+            raise InvariantError(f"the KV manager mapped a token to slot {int(writes.min()) if int(writes.min()) < 0 else int(writes.max())}, "
+                                 f"outside the cache's {self.capacity} slots")
+        if torch.unique(writes).numel() != writes.numel():
+            raise InvariantError("the KV manager gave two new tokens of this step the same slot "
+                                 "(a block handed out twice?)")
+        if not self.check_invariants:
+            return
+        cached = [self.context_slots([it.seq], it.seq.num_computed_tokens)[0]
+                  for it in scheduled if it.seq.num_computed_tokens]
+        if cached:
+            clash = torch.isin(writes, torch.cat(cached))
+            if bool(clash.any()):
+                raise InvariantError(f"this step would overwrite slot {int(writes[clash][0])}, which holds "
+                                     f"another token's cached keys (a block handed out twice, or a shared "
+                                     f"block written without copy-on-write)")
+
     def execute(self, scheduled):
         """Forward the scheduled tokens; returns (logits of sampling sequences [N, vocab], those sequences)."""
         ids, pos, ctx, rows, sampling = self.prepare(scheduled)
-        if not rows:
-            self.model(ids, pos, ctx, logits_indices=torch.tensor([], dtype=torch.long, device=self.device))
-            return None, []
-        logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, device=self.device))
-        return logits, sampling
+        logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))
+        return (logits, sampling) if rows else (None, [])
+
+    # -- sizing the KV cache -----------------------------------------------------------------
+    def kv_capacity_tokens(self, c, mem_at_start) -> int:
+        if c.kv_cache_tokens is not None:
+            return c.kv_cache_tokens
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override * c.block_size
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes // self.bytes_per_token
+        if self.device.type == "cuda":
+            return self.profile_free_gpu_bytes(c, mem_at_start) // self.bytes_per_token
+        return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
+
+    def profile_free_gpu_bytes(self, c, mem_at_start) -> int:
+        """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
+        activation peak of a max-size forward + memory torch does not track)."""
+        free_start, total = mem_at_start
+        requested = int(total * c.gpu_memory_utilization)
+        if free_start < requested:
+            raise ValueError(
+                f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
+                f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
+                f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
+        peak = self.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs)
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = free_start - free_now  # what this process added on the device since start-up
+        non_torch = max(0, grown - torch.cuda.memory_reserved(self.device))
+        available = requested - peak - non_torch
+        if available <= 0:
+            raise ValueError(
+                f"No memory is left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
+                f"(+{non_torch / 2**30:.2f} GiB outside torch) of the {requested / 2**30:.2f} GiB allowed; raise "
+                f"gpu_memory_utilization or lower max_num_batched_tokens.")
+        return available
+
+    def allocate_kv_cache(self, c, mem_at_start=None) -> tuple[KVCacheTensors, KVCacheSpec]:
+        """Size the cache (vLLM's knobs), allocate its tensors, and describe it for a KV manager."""
+        tokens = self.kv_capacity_tokens(c, mem_at_start)
+        paged = c.kv_cache == "paged"
+        block_size = c.block_size if paged else 1
+        num_blocks = tokens // block_size
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache holds {tokens} tokens, less than one block of {c.block_size}; "
+                             f"raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower block_size")
+        cpu_blocks = 0
+        if c.preemption_mode == "swap":
+            cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
+        tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
+                                 self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
+        spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
+                           cpu_blocks, tensors.copy_block)
+        if paged:
+            logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
+                        "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
+                        self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
+                        num_blocks * c.block_size / c.max_model_len)
+        else:
+            logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
+                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
+                        c.max_model_len, tokens / c.max_model_len)
+        return tensors, spec
+
+    # -- memory profiling (CUDA) ------------------------------------------------------------
+    def profile_peak_bytes(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+        """Peak memory torch allocates for weights plus one forward of ``max_num_batched_tokens`` tokens
+        (prompts of at most ``max_model_len``), the KV cache excluded: vLLM's profiling run. It goes
+        through ``prepare`` with a throw-away contiguous cache, like any step."""
+        from tinypaged.contiguous import ContiguousKVManager
+        from tinypaged.sampling_params import SamplingParams
+        from tinypaged.scheduler import ScheduledSeq
+        from tinypaged.sequence import Sequence
+
+        n = max_num_batched_tokens
+        sizes = [min(max_model_len, n - start) for start in range(0, n, max_model_len)]  # prompts <= max_model_len
+        slots = n + len(sizes)  # "oracle" reserves prompt + 1 token each
+        scratch = KVCacheTensors(self.kv_shape[0], slots, *self.kv_shape[1:], self.dtype, self.device)
+        kv = ContiguousKVManager(slots, "oracle", max_model_len)
+        batch = []
+        for size in sizes:
+            seq = Sequence("profile", [0] * size, SamplingParams(max_tokens=1))
+            kv.allocate_slots(seq, size)
+            batch.append(ScheduledSeq(seq, size, "prefill"))
+        saved = self.kv, self.tensors, self.capacity, self.check_invariants
+        self.kv, self.tensors, self.capacity, self.check_invariants = kv, scratch, slots, False
+        try:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            ids, pos, ctx, rows, _ = self.prepare(batch)
+            self.model(ids, pos, ctx, logits_indices=torch.arange(min(n, max_num_seqs), device=self.device))
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - scratch.keys.numel() * 2 * scratch.keys.element_size()
+        finally:
+            self.kv, self.tensors, self.capacity, self.check_invariants = saved
+            del scratch
+            torch.cuda.empty_cache()
+        return peak

@@ -260,13 +260,6 @@ def shared_weights():
         llm_engine.load_model = original
 
 
-def _static_batch_slots(engine, num_seqs: int) -> int:
-    # static batching keeps finished members' rows until its last member is done
-    if engine.config.scheduler == "static":
-        return max(getattr(engine.scheduler, "static_batch_size", num_seqs), num_seqs)
-    return num_seqs
-
-
 def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None = None,
            seed: int = 0) -> ServingRun:
     """Feed ``trace`` to ``llm``'s engine at its arrival times (wall clock) and run it to the end.
@@ -294,6 +287,7 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
     arrivals = [base + r.arrival_time for r in pending]
     i_next = 0
     while len(requests) < len(pending):
+        idle = engine.counters["num_idle_slot_steps"]  # static batching: finished members' rows
         t0 = engine.clock()
         st = engine.step()
         t1 = engine.clock()
@@ -301,7 +295,8 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
         if st.scheduled:
             shape = BatchShape.of((s.seq.num_computed_tokens - s.num_tokens, s.num_tokens, s.kind)
                                   for s in st.scheduled)
-            steps.append(StepRecord(t0 - base, t1 - base, shape, _static_batch_slots(engine, shape.num_seqs)))
+            slots = shape.num_seqs + engine.counters["num_idle_slot_steps"] - idle
+            steps.append(StepRecord(t0 - base, t1 - base, shape, slots))
         for out in st.finished:
             r = info.get(out.request_id)
             if r is None:

@@ -35,8 +35,12 @@ from tinypaged.workloads import TraceRequest
 class ModelFreeEngine:
     """The engine's scheduling and KV bookkeeping without a model (the simulator's only coupling).
 
-    ``schedule(now)`` returns the scheduler's batch as ``(seq, start, num_tokens, kind)`` tuples;
-    ``complete(batch, now)`` does the post-forward bookkeeping and returns the sequences that finished.
+    Built like ``LLMEngine`` builds them: a KV manager from a ``KVCacheSpec`` (the configured
+    ``kv_cache_manager`` plug-in, or the built-in paged / contiguous one), the configured scheduling
+    policy, and the ``Scheduler`` that owns progress. ``schedule(now)`` returns the scheduler's batch
+    as ``(seq, start, num_tokens, kind)`` tuples; ``complete(now)`` does what the engine does after a
+    forward (``Scheduler.advance``, then ``update_from_output`` with a dummy token for every sequence
+    whose prompt is done) and returns the sequences that finished.
     """
 
     DUMMY_TOKEN = 0
@@ -44,7 +48,9 @@ class ModelFreeEngine:
     def __init__(self, config):
         from tinypaged.block_manager import BlockManager
         from tinypaged.contiguous import ContiguousKVManager
-        from tinypaged.scheduler import Scheduler
+        from tinypaged.interfaces import KVCacheSpec
+        from tinypaged.sampler import check_stop
+        from tinypaged.scheduler import Scheduler, make_policy
 
         config.finalize(config.max_model_len or 2048)
         if config.kv_cache_tokens is not None:
@@ -58,13 +64,16 @@ class ModelFreeEngine:
             raise ValueError("the simulator models recompute preemption only (vLLM v1); "
                              "use preemption_mode='recompute'")
         self.config = config
-        if config.kv_cache == "contiguous":
-            self.kv = ContiguousKVManager(tokens, config.reservation_policy, config.max_model_len)
-        else:
-            self.kv = BlockManager(tokens // config.block_size, config.block_size, config.enable_prefix_caching)
+        paged = config.kv_cache == "paged"
+        block_size = config.block_size if paged else 1
+        spec = KVCacheSpec(tokens // block_size, block_size, config.max_model_len, config.enable_prefix_caching,
+                           config.reservation_policy)
+        factory = config.kv_cache_manager or (BlockManager.from_spec if paged else ContiguousKVManager.from_spec)
+        self.kv = factory(spec)
         self.now = 0.0
-        self.scheduler = Scheduler(config, self.kv, clock=lambda: self.now)
-        self.targets: dict[int, int] = {}  # seq_id -> output length to produce
+        self.scheduler = Scheduler(config, self.kv, make_policy(config), clock=lambda: self.now)
+        self._stop = lambda seq: check_stop(seq, (), config.max_model_len, None)
+        self._out = None
 
     def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
         from tinypaged.sampling_params import SamplingParams
@@ -72,13 +81,11 @@ class ModelFreeEngine:
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         seq = Sequence(request_id, prompt_ids, params, 0, arrival)
-        need = self.kv.tokens_needed(seq) if self.config.kv_cache == "contiguous" \
-            else seq.max_total_tokens(self.config.max_model_len)
+        need = self.kv.max_tokens_needed(seq)
         if len(prompt_ids) + output_len > self.config.max_model_len or need > self.kv.capacity_tokens:
             raise ValueError(f"Request {request_id} (prompt {len(prompt_ids)} + output {output_len} tokens, "
                              f"reserving {need}) can never run: max_model_len is {self.config.max_model_len} "
                              f"and the KV cache holds {self.kv.capacity_tokens} tokens")
-        self.targets[seq.seq_id] = output_len
         self.scheduler.add(seq)
         return seq
 
@@ -86,36 +93,19 @@ class ModelFreeEngine:
         return self.scheduler.has_unfinished()
 
     def schedule(self, now: float) -> tuple[list[tuple], int]:
-        """(batch, number of sequences preempted while forming it)."""
+        """(batch, batch slots: the scheduled sequences plus a static batch's idle members)."""
         self.now = now
-        out = self.scheduler.schedule()
-        return [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.kind) for s in out.scheduled], len(out.preempted)
+        self._out = out = self.scheduler.schedule()
+        batch = [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.kind) for s in out.scheduled]
+        return batch, len(batch) + out.num_idle_slots
 
-    def complete(self, batch, now: float) -> list:
-        from tinypaged.sequence import SequenceStatus
-
+    def complete(self, now: float) -> list:
         self.now = now
-        done = []
-        for seq, start, n, _ in batch:
-            seq.num_computed_tokens = start + n
-            if seq.num_computed_tokens < len(seq):
-                continue  # a prefill chunk that does not reach the end samples nothing
-            seq.output_token_ids.append(self.DUMMY_TOKEN)
-            seq.times.token_times.append(now)
-            if seq.times.first_token is None:
-                seq.times.first_token = now
-            if len(seq.output_token_ids) >= self.targets[seq.seq_id]:
-                seq.status = SequenceStatus.FINISHED
-                seq.finish_reason = "length"
-                seq.times.finished = now
-                self.scheduler.finish(seq)
-                done.append(seq)
-        return done
-
-    def static_batch_slots(self, num_seqs: int) -> int:
-        if self.config.scheduler == "static":
-            return max(self.scheduler.static_batch_size, num_seqs)
-        return num_seqs
+        out, self._out = self._out, None
+        self.scheduler.advance(out)
+        sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens == len(s.seq)]
+        return self.scheduler.update_from_output(sampling, [self.DUMMY_TOKEN] * len(sampling), [0.0] * len(sampling),
+                                                 now, self._stop)
 
     @property
     def num_preemptions(self) -> int:
@@ -239,7 +229,7 @@ def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: 
     now, i_next = 0.0, 0
     with quiet(logging.ERROR):
         while eng.has_unfinished():
-            batch, _ = eng.schedule(now)
+            batch, slots = eng.schedule(now)
             if not batch:
                 while i_next < len(arrivals) and arrivals[i_next].arrival_time <= now:
                     i_next += 1
@@ -249,11 +239,11 @@ def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: 
                 continue
             shape = BatchShape.of((start, n, kind) for _, start, n, kind in batch)
             end = now + cost_model(shape)
-            for seq in eng.complete(batch, end):
+            for seq in eng.complete(end):
                 r = seqs[seq.seq_id]
                 requests.append(RequestRecord(seq.request_id, r.prompt_len, r.output_len, seq.times.arrival,
                                               seq.times.first_token, seq.times.finished, seq.num_preemptions))
-            steps.append(StepRecord(now, end, shape, eng.static_batch_slots(shape.num_seqs)))
+            steps.append(StepRecord(now, end, shape, slots))
             now = end
             if max_steps is not None and len(steps) >= max_steps:
                 raise RuntimeError(f"simulation exceeded max_steps={max_steps}")
