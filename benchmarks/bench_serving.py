@@ -35,7 +35,8 @@ import time
 from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
                                sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.simulator import OPT13B_A100, calibrate, check_against, knee_rates, paper_setup, sweep
+from tinypaged.simulator import (OPT13B_A100, LinearCostModel, calibration_steps, check_against, knee_rates,
+                                 paper_setup, sweep)
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
@@ -88,7 +89,8 @@ def realtime(args, dataset):
     with quiet(), shared_weights():
         llm = LLM(args.model, device=args.device, dtype="float32", seed=0, **system_config("vllm", **common))
         replay(llm, with_rate(calibration[:4], 1000.0), "vllm")
-        model = calibrate(llm, calibration)
+        before = calibration_steps(llm, calibration)
+        model = LinearCostModel.fit(before)
     say(f"Step-time model fitted on a closed-loop run of {len(calibration)} other requests: {model.describe()}")
     if args.rates:
         rates = sorted(args.rates)
@@ -97,6 +99,9 @@ def realtime(args, dataset):
         rates = sorted({round(knees[0] / 2, 1), *knees, round(knees[-1] * 1.4, 1)})
     say(f"Rates (req/s): {rates} (the calibrated simulator's knees of Orca (Max) and vLLM, and beyond)")
     exp = serve_systems(args.model, trace, common, rates=rates, device=args.device, log=say)
+    with quiet(), shared_weights():  # a second calibration run brackets the real-time runs in time
+        model = LinearCostModel.fit(before + calibration_steps(llm, calibration))
+    say(f"Refitted on that run and a second one after the real-time runs: {model.describe()}")
     say("\nAll requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
         f"{get_system(n).label} {len(exp.runs[(n, None)].steps)} steps / largest batch "
         f"{max(st.num_seqs for st in exp.runs[(n, None)].steps)}" for n in SYSTEM_NAMES))

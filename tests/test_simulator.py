@@ -8,8 +8,8 @@ import pytest
 from tinypaged import LLM
 from tinypaged.serving import (PAPER_KV_TOKENS, BatchShape, StepRecord, quiet, replay, serving_trace, shared_weights,
                                system_config, with_rate)
-from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, paper_setup,
-                                 simulate, sweep)
+from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, check_against,
+                                 knee_rates, paper_setup, simulate, sweep)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -149,3 +149,31 @@ def test_rates_of_one_trace_keep_its_lengths():
         moved = with_rate(trace, rate, seed=1)
         assert [(r.prompt_len, r.output_len) for r in moved] == [(r.prompt_len, r.output_len) for r in trace]
         assert all(a.arrival_time < b.arrival_time for a, b in zip(moved, moved[1:]))
+
+
+def test_check_against_reproduces_a_run_made_with_the_same_cost_model():
+    """A "measured" run that the simulator itself produced is predicted exactly: the comparison
+    rebuilds the same requests and arrivals from the run's records."""
+    trace = serving_trace("sharegpt", 30, rate=None, seed=6, scale=1 / 8)
+    common = paper_setup(1 / 8, max_num_seqs=16)
+    runs = {r: simulate(with_rate(trace, r, seed=2), FIXED, "vllm", r, **common) for r in (5.0, 20.0)}
+    for v in check_against(FIXED, runs, **common):
+        assert v.error == pytest.approx(0.0, abs=1e-12) and v.step_model_error == pytest.approx(0.0, abs=1e-12)
+    other = LinearCostModel(0.02, 0.001, 0.0005, 0.0)  # twice the per-step cost: predicts higher latency
+    assert all(v.error > 0 for v in check_against(other, runs, **common))
+
+
+def test_knee_rates_span_orca_max_to_vllm():
+    trace = serving_trace("sharegpt", 40, None, seed=0, scale=1 / 8)
+    rates = knee_rates(FIXED, trace, num=3, **paper_setup(1 / 8, max_num_seqs=32))
+    assert len(rates) == 3 and rates == sorted(rates) and rates[0] < rates[-1]
+    assert all(isinstance(r, float) for r in rates)
+
+
+def test_fixed_duration_sweeps_replay_rate_times_seconds_requests():
+    trace = serving_trace("alpaca", 400, None, seed=0)
+    sw = sweep(trace, OPT13B_A100, [2.0, 20.0], ["vllm"], keep_runs=True, duration=10, min_requests=30,
+               **paper_setup())
+    assert [len(sw.runs[("vllm", r)].requests) for r in (2.0, 20.0)] == [30, 200]
+    with pytest.raises(ValueError, match="needs 500 requests"):
+        sweep(trace, OPT13B_A100, [50.0], ["vllm"], duration=10, **paper_setup())

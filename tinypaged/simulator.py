@@ -314,13 +314,18 @@ class Validation:
         return self.predicted / self.measured - 1
 
 
-def calibrate(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> LinearCostModel:
-    """Fit a ``LinearCostModel`` to the steps of a closed-loop run (every request queued at once, so
-    every batch size from full down to one) of ``calibration_trace`` on ``llm``, measured now."""
+def calibration_steps(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> list:
+    """The measured steps of a closed-loop run (every request queued at once, so every batch size from
+    full down to one) of ``calibration_trace`` on ``llm``, now."""
     from tinypaged.serving import replay
 
     with quiet(logging.ERROR):
-        return LinearCostModel.fit(replay(llm, calibration_trace, system, None, seed).steps)
+        return replay(llm, calibration_trace, system, None, seed).steps
+
+
+def calibrate(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> LinearCostModel:
+    """A ``LinearCostModel`` fitted to ``calibration_steps``."""
+    return LinearCostModel.fit(calibration_steps(llm, calibration_trace, system, seed))
 
 
 def check_against(model, measured: dict, system: str = "vllm", **common) -> list[Validation]:
