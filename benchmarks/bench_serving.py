@@ -14,9 +14,10 @@ Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock throu
   each reservation policy fits as many requests at once as it did in the paper. The rates come from
   a step-time model fitted on this machine first (a closed-loop run of other requests): the
   simulator's predicted knees of Orca (Max) and vLLM, one rate below and one beyond.
-Part 2, the simulator against the engine: with that fitted model, the simulator predicts the mean
-  normalized latency of the Part-1 vLLM runs at three rates (same requests, same arrival times),
-  printed next to the measurement.
+Part 2, the simulator against the engine: at three rates, a calibration run (other requests, all
+  queued at once) and then at once a real-time vLLM run; the simulator, with the model fitted on the
+  calibration run, predicts the run's mean normalized latency (same requests, same arrival times),
+  printed next to the measurement. The other systems are checked against their Part-1 runs.
 Part 3, the paper's scale: the same systems simulated with a roofline cost model of OPT-13B (fp16)
   on one A100-40GB and the paper's KV budget: normalized latency against request rate (Figure 12),
   the highest rate each system sustains under a latency threshold, and requests batched at once
@@ -36,7 +37,7 @@ from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, f
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
                                sustainable_rate, system_config, vllm_available, with_rate)
 from tinypaged.simulator import (OPT13B_A100, LinearCostModel, calibration_steps, check_against, knee_rates,
-                                 paper_setup, sweep)
+                                 paper_setup, sweep, validate)
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
@@ -126,24 +127,31 @@ def realtime(args, dataset):
         f"{get_system(n).label} {1e3 * exp.runs[(n, top)].summary()['step_time']:.1f} ms" for n in SYSTEM_NAMES)
         + f"; useful share of static batching's slots {exp.runs[('static', top)].summary()['useful_slot_share']:.0%}")
 
-    say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system, the Part-1 runs) ==")
+    say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system) ==")
+    say("At each rate: a closed-loop calibration run of the other requests, then at once the real-time run; "
+        "measured again (up to 3 times) when the fitted model misjudges that run's own steps by over 10%, "
+        "i.e. when the machine's speed changed in between. 'own steps' refits on the measured run's steps: "
+        "the error left is the simulator's scheduling, not the cost model.")
     val_rates = rates[:3] if args.rates else knees[1:]
-    checks = check_against(model, {r: exp.runs[("vllm", r)] for r in val_rates}, **common)
-    rows = [[f"{v.rate:g}", f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
-             f"{100 * v.step_model_error:+.1f}%"] for v in checks]
-    say(format_table(["rate req/s", "measured s/token", "simulated s/token", "error", "step model"], rows))
-    worst = max(abs(v.error) for v in checks)
-    say(f"worst error {100 * worst:.1f}% ({'within' if worst <= 0.15 else 'OUTSIDE'} the 15% bound); 'step model' is "
-        f"the fitted model's error on the measured run's own batches (the machine's speed drifting)")
+    with quiet(), shared_weights():
+        checks = validate(llm, calibration, trace, val_rates, **common)
+    rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
+             f"{100 * v.step_model_error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"] for v in checks]
+    say(format_table(["rate req/s", "attempt", "measured s/token", "simulated s/token", "error", "step model",
+                      "own steps"], rows))
+    final = [v for i, v in enumerate(checks) if i + 1 == len(checks) or checks[i + 1].rate != v.rate]
+    worst = max(abs(v.error) for v in final)
+    say(f"worst error at the three rates (last attempt each): {100 * worst:.1f}% "
+        f"({'within' if worst <= 0.15 else 'OUTSIDE'} the 15% bound)")
     rows = []
     for name in SYSTEM_NAMES:
         if name == "vllm":
             continue
         for v in check_against(model, {r: exp.runs[(name, r)] for r in val_rates}, name, **common):
             rows.append([get_system(name).label, f"{v.rate:g}", f"{v.measured:.4f}", f"{v.predicted:.4f}",
-                         f"{100 * v.error:+.1f}%"])
-    say("The other systems, same model:")
-    say(format_table(["system", "rate req/s", "measured s/token", "simulated s/token", "error"], rows))
+                         f"{100 * v.error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"])
+    say("The other systems against their Part-1 runs (model fitted on the two bracketing calibration runs):")
+    say(format_table(["system", "rate req/s", "measured s/token", "simulated s/token", "error", "own steps"], rows))
 
 
 # -- part 3 ----------------------------------------------------------------------------------------------

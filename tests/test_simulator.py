@@ -9,7 +9,7 @@ from tinypaged import LLM
 from tinypaged.serving import (PAPER_KV_TOKENS, BatchShape, StepRecord, quiet, replay, serving_trace, shared_weights,
                                system_config, with_rate)
 from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, check_against,
-                                 knee_rates, paper_setup, simulate, sweep)
+                                 knee_rates, paper_setup, simulate, sweep, validate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,3 +177,14 @@ def test_fixed_duration_sweeps_replay_rate_times_seconds_requests():
     assert [len(sw.runs[("vllm", r)].requests) for r in (2.0, 20.0)] == [30, 200]
     with pytest.raises(ValueError, match="needs 500 requests"):
         sweep(trace, OPT13B_A100, [50.0], ["vllm"], duration=10, **paper_setup())
+
+
+def test_validate_measures_each_rate_right_after_its_calibration():
+    trace = serving_trace("sharegpt", 10, None, seed=7, scale=1 / 16)
+    calibration = serving_trace("sharegpt", 10, None, seed=8, scale=1 / 16)
+    common = paper_setup(1 / 16, max_num_seqs=8)
+    with quiet(), shared_weights():
+        llm = LLM("tiny", device="cpu", **system_config("vllm", **common))
+        checks = validate(llm, calibration, trace, [300.0, 600.0], attempts=2, max_step_error=10.0, **common)
+    assert [(v.rate, v.attempt) for v in checks] == [(300.0, 1), (600.0, 1)]  # a 1000% bound accepts the first
+    assert all(v.measured > 0 and v.predicted > 0 and v.own_steps_predicted > 0 for v in checks)
