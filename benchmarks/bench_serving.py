@@ -14,10 +14,10 @@ Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock throu
   each reservation policy fits as many requests at once as it did in the paper. The rates come from
   a step-time model fitted on this machine first (a closed-loop run of other requests): the
   simulator's predicted knees of Orca (Max) and vLLM, one rate below and one beyond.
-Part 2, the simulator against the engine: at three rates, a calibration run (other requests, all
-  queued at once) and then at once a real-time vLLM run; the simulator, with the model fitted on the
-  calibration run, predicts the run's mean normalized latency (same requests, same arrival times),
-  printed next to the measurement. The other systems are checked against their Part-1 runs.
+Part 2, the simulator against the engine: at three rates, a real-time vLLM run between two
+  calibration runs (other requests, all queued at once); the simulator, with the model fitted on
+  those, predicts the run's mean normalized latency (same requests, same arrival times), printed next
+  to the measurement. The other systems are checked against their Part-1 runs.
 Part 3, the paper's scale: the same systems simulated with a roofline cost model of OPT-13B (fp16)
   on one A100-40GB and the paper's KV budget: normalized latency against request rate (Figure 12),
   the highest rate each system sustains under a latency threshold, and requests batched at once
@@ -128,13 +128,13 @@ def realtime(args, dataset):
         + f"; useful share of static batching's slots {exp.runs[('static', top)].summary()['useful_slot_share']:.0%}")
 
     say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system) ==")
-    say("At each rate: a closed-loop calibration run of the other requests, then at once the real-time run; "
-        "measured again (up to 3 times) when the fitted model misjudges that run's own steps by over 10%, "
-        "i.e. when the machine's speed changed in between. 'own steps' refits on the measured run's steps: "
-        "the error left is the simulator's scheduling, not the cost model.")
+    say("At each rate: the real-time run between two closed-loop calibration runs of the other requests, the "
+        "model fitted on those two; measured again (up to 4 times) when that model misjudges the run's own "
+        "steps by over 10%, i.e. when the machine's speed changed in between. 'own steps' refits on the "
+        "measured run's steps: the error left is the simulator's scheduling, not the cost model.")
     val_rates = rates[:3] if args.rates else knees[1:]
     with quiet(), shared_weights():
-        checks = validate(llm, calibration, trace, val_rates, **common)
+        checks = validate(llm, calibration, trace, val_rates, attempts=4, **common)
     rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
              f"{100 * v.step_model_error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"] for v in checks]
     say(format_table(["rate req/s", "attempt", "measured s/token", "simulated s/token", "error", "step model",

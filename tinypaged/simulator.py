@@ -353,22 +353,25 @@ def check_against(model, measured: dict, system: str = "vllm", **common) -> list
 def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceRequest], rates, system: str = "vllm",
              seed: int = 0, attempts: int = 3, max_step_error: float = 0.10,
              **common) -> list[Validation]:
-    """At each rate: calibrate on a closed-loop run of ``calibration_trace`` (other requests), then at
-    once replay ``trace`` in real time and simulate it with the fitted model. On a shared machine the
-    CPU's speed can change between the two; when the fitted model misjudges the measured run's own
-    batches by more than ``max_step_error`` (the inputs, not the simulator, are then wrong), the pair
-    is measured again, up to ``attempts`` times. Every attempt is returned (``attempt`` numbers them)."""
+    """At each rate, replay ``trace`` in real time between two closed-loop calibration runs of
+    ``calibration_trace`` (other requests), fit the cost model on the two, and simulate the replay
+    with it. On a shared machine the CPU's speed can change from one run to the next; when the
+    fitted model misjudges the measured run's own batches by more than ``max_step_error`` (the
+    simulator's input, not the simulator, is then wrong), the rate is measured again, up to
+    ``attempts`` times. Every attempt is returned (``attempt`` numbers them)."""
     from tinypaged.serving import replay, with_rate
 
     out = []
+    before = calibration_steps(llm, calibration_trace, system, seed)
     for rate in rates:
         for attempt in range(1, attempts + 1):
-            model = calibrate(llm, calibration_trace, system, seed)
             with quiet(logging.ERROR):
                 real = replay(llm, with_rate(trace, rate, seed), system, rate, seed)
-            v = check_against(model, {rate: real}, system, **common)[0]
+            after = calibration_steps(llm, calibration_trace, system, seed)
+            v = check_against(LinearCostModel.fit(before + after), {rate: real}, system, **common)[0]
             v.attempt = attempt
             out.append(v)
+            before = after
             if abs(v.step_model_error) <= max_step_error:
                 break
     return out
