@@ -175,3 +175,16 @@ def test_serving_run_summary_weights_steps_equally():
     # the drain after the last request started is left out of the batch average
     reqs = [RequestRecord("a", 1, 2, 0.0, 1.0, 3.0)]
     assert ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()["batched"] == 2
+
+
+def test_a_request_arriving_while_the_scheduler_runs_is_not_a_deadlock():
+    """Real-time replay: the head request's arrival time falls between the policy's look at the clock
+    and the scheduler's no-progress check. Nothing could have been scheduled, so that is no error."""
+    with quiet(), shared_weights():
+        engine = LLM("tiny", device="cpu", kv_cache_tokens=256, max_model_len=64).llm_engine
+    ticks = iter([0.0, 0.0, 0.0] + [1.0] * 100)  # the policy sees t=0; every later read sees t=1
+    engine.scheduler.clock = lambda: next(ticks)
+    engine.add_request("late", {"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), arrival_time=0.5)
+    assert engine.step().scheduled == []  # not yet arrived when the policy looked
+    assert [s.seq.request_id for s in engine.step().scheduled] == ["late"]
