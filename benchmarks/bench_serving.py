@@ -15,9 +15,9 @@ Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock throu
   a step-time model fitted on this machine first (a closed-loop run of other requests): the
   simulator's predicted knees of Orca (Max) and vLLM, one rate below and one beyond.
 Part 2, the simulator against the engine: at three rates, a real-time vLLM run between two
-  calibration runs (other requests, all queued at once); the simulator, with the model fitted on
-  those, predicts the run's mean normalized latency (same requests, same arrival times), printed next
-  to the measurement. The other systems are checked against their Part-1 runs.
+  calibration runs of other requests at the same rate; the simulator, with the model fitted on those,
+  predicts the run's mean normalized latency (same requests, same arrival times), printed next to the
+  measurement. The other systems are checked against their Part-1 runs with the same models.
 Part 3, the paper's scale: the same systems simulated with a roofline cost model of OPT-13B (fp16)
   on one A100-40GB and the paper's KV budget: normalized latency against request rate (Figure 12),
   the highest rate each system sustains under a latency threshold, and requests batched at once
@@ -128,10 +128,10 @@ def realtime(args, dataset):
         + f"; useful share of static batching's slots {exp.runs[('static', top)].summary()['useful_slot_share']:.0%}")
 
     say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system) ==")
-    say("At each rate: the real-time run between two closed-loop calibration runs of the other requests, the "
-        "model fitted on those two; measured again (up to 4 times) when that model misjudges the run's own "
-        "steps by over 10%, i.e. when the machine's speed changed in between. 'own steps' refits on the "
-        "measured run's steps: the error left is the simulator's scheduling, not the cost model.")
+    say("At each rate: a real-time run of the other requests at that rate, the measured run, and another run of "
+        "the other requests; the model is fitted on those two. Measured again (up to 4 times) when that model "
+        "misjudges the measured run's own steps by over 10%, i.e. when the machine's speed changed in between. "
+        "'own steps' refits on the measured run's steps: the error left is the simulator's, not the cost model's.")
     val_rates = rates[:3] if args.rates else knees[1:]
     with quiet(), shared_weights():
         checks = validate(llm, calibration, trace, val_rates, attempts=4, **common)
@@ -147,10 +147,11 @@ def realtime(args, dataset):
     for name in SYSTEM_NAMES:
         if name == "vllm":
             continue
-        for v in check_against(model, {r: exp.runs[(name, r)] for r in val_rates}, name, **common):
+        for r, m in ((v.rate, v.model) for v in final):
+            v = check_against(m, {r: exp.runs[(name, r)]}, name, **common)[0]
             rows.append([get_system(name).label, f"{v.rate:g}", f"{v.measured:.4f}", f"{v.predicted:.4f}",
                          f"{100 * v.error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"])
-    say("The other systems against their Part-1 runs (model fitted on the two bracketing calibration runs):")
+    say("The other systems against their Part-1 runs (the model of the last attempt at each rate):")
     say(format_table(["system", "rate req/s", "measured s/token", "simulated s/token", "error", "own steps"], rows))
 
 

@@ -310,6 +310,7 @@ class Validation:
     step_model_error: float  # the calibrated model on the measured run's own batches: predicted busy time / measured - 1
     own_steps_predicted: float = float("nan")  # the simulator's with a model fitted to this run's own steps
     attempt: int = 1
+    model: object = field(default=None, repr=False)  # the cost model the prediction used
 
     @property
     def error(self) -> float:
@@ -351,29 +352,34 @@ def check_against(model, measured: dict, system: str = "vllm", **common) -> list
 
 
 def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceRequest], rates, system: str = "vllm",
-             seed: int = 0, attempts: int = 3, max_step_error: float = 0.10,
+             seed: int = 0, attempts: int = 3, max_step_error: float = 0.10, bracket: bool = True,
              **common) -> list[Validation]:
-    """At each rate, replay ``trace`` in real time between two closed-loop calibration runs of
-    ``calibration_trace`` (other requests), fit the cost model on the two, and simulate the replay
-    with it. On a shared machine the CPU's speed can change from one run to the next; when the
-    fitted model misjudges the measured run's own batches by more than ``max_step_error`` (the
-    simulator's input, not the simulator, is then wrong), the rate is measured again, up to
-    ``attempts`` times. Every attempt is returned (``attempt`` numbers them)."""
+    """At each rate, calibrate on a real-time run of ``calibration_trace`` (other requests) at that
+    rate, replay ``trace`` at once, and (``bracket``) calibrate again after it; fit the cost model on
+    the calibration runs and simulate the replay with it. Calibrating under the same kind of load
+    matters: steps measured with every request queued at once came out faster than the same batches
+    served under Poisson arrivals. On a shared machine the CPU's speed can also change from one run
+    to the next; when the fitted model misjudges the measured run's own batches by more than
+    ``max_step_error`` (the simulator's input, not the simulator, is then wrong), the rate is
+    measured again, up to ``attempts`` times. Every attempt is returned (``attempt`` numbers them)."""
     from tinypaged.serving import replay, with_rate
 
     out = []
-    before = calibration_steps(llm, calibration_trace, system, seed)
-    for rate in rates:
-        for attempt in range(1, attempts + 1):
-            with quiet(logging.ERROR):
+    with quiet(logging.ERROR):
+        for k, rate in enumerate(rates):
+            cal = lambda i: replay(llm, with_rate(calibration_trace, rate, seed + 101 + 7 * k + i), system, rate,  # noqa: E731
+                                   seed).steps
+            before = cal(0)
+            for attempt in range(1, attempts + 1):
                 real = replay(llm, with_rate(trace, rate, seed), system, rate, seed)
-            after = calibration_steps(llm, calibration_trace, system, seed)
-            v = check_against(LinearCostModel.fit(before + after), {rate: real}, system, **common)[0]
-            v.attempt = attempt
-            out.append(v)
-            before = after
-            if abs(v.step_model_error) <= max_step_error:
-                break
+                after = cal(attempt) if bracket else []
+                model = LinearCostModel.fit(before + after)
+                v = check_against(model, {rate: real}, system, **common)[0]
+                v.attempt, v.model = attempt, model
+                out.append(v)
+                if abs(v.step_model_error) <= max_step_error:
+                    break
+                before = after or cal(attempt)
     return out
 
 
