@@ -34,7 +34,7 @@ import torch
 
 from tinypaged import LLM, SamplingParams, workloads
 from tinypaged.beam_search import beam_search, analytic_shared_blocks
-from tinypaged.block_manager import BlockManager
+from tinypaged.block_manager import BlockManager, blocks_needed
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
 
@@ -45,8 +45,7 @@ PAPER = {  # Fig. 15, memory saving for n / width 2, 4, 6 (low and high ends as 
 BEAM_SCALE = {"alpaca": (0.5, 8), "sharegpt": (0.25, 4)}  # (length scale, block size)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+cdiv = blocks_needed
 
 
 # -- (a) parallel sampling: block-level simulation ---------------------------------------------------
@@ -67,7 +66,7 @@ def parallel_sampling_blocks(trace, n: int, block_size: int = 16) -> dict:
             samples.append(child)
         # step t = 0: the prompt's KV (one copy, whatever n); without sharing, n copies
         with_s += bm.num_blocks - bm.num_free_blocks
-        without += n * len(seq.block_table)
+        without += n * len(bm.block_ids(seq))
         a_with += cdiv(p, block_size)
         a_without += n * cdiv(p, block_size)
         for t in range(1, o):  # each step every sample writes one more token
@@ -76,7 +75,7 @@ def parallel_sampling_blocks(trace, n: int, block_size: int = 16) -> dict:
                 assert bm.allocate_slots(s, 1)
                 s.num_computed_tokens += 1
             with_s += bm.num_blocks - bm.num_free_blocks
-            without += sum(len(s.block_table) for s in samples)
+            without += sum(len(bm.block_ids(s)) for s in samples)
             full = p // block_size
             a_with += full + n * (cdiv(p + t, block_size) - full)
             a_without += n * cdiv(p + t, block_size)

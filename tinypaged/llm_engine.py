@@ -19,11 +19,9 @@ import torch
 
 from tinypaged.attention import make_backend
 from tinypaged.block_manager import BlockManager
-from tinypaged.config import CPU_DEFAULT_KV_BYTES, EngineConfig
+from tinypaged.config import EngineConfig
 from tinypaged.contiguous import ContiguousKVManager
-from tinypaged.interfaces import KV_REQUIRED, POLICY_REQUIRED, KVCacheSpec, require
-from tinypaged.kv_cache import KVCacheTensors, kv_bytes_per_token
-from tinypaged.model import head_dim_of
+from tinypaged.interfaces import KV_REQUIRED, POLICY_REQUIRED, require
 from tinypaged.model_loader import eos_token_ids, load_model, load_tokenizer
 from tinypaged.model_runner import ModelRunner
 from tinypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -95,12 +93,12 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self._tokenizer = None
         self.eos_token_ids = eos_token_ids(config.model)
-        self.bytes_per_token = kv_bytes_per_token(hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf), self.dtype)
         self.generator = torch.Generator().manual_seed(config.seed)
         checking = config.has_plugins if config.check_invariants is None else config.check_invariants
         backend = make_backend(config.attention_backend, config.block_size)
         self.runner = ModelRunner(self.model, self.device, backend, checking)
-        self.kv, self.kv_tensors = self._build_kv_cache(hf)
+        self.bytes_per_token = self.runner.bytes_per_token
+        self.kv, self.kv_tensors = self._build_kv_cache()
         self.runner.attach(self.kv, self.kv_tensors)
         policy = make_policy(config)
         require(policy, POLICY_REQUIRED, "scheduling_policy")
@@ -113,73 +111,15 @@ class LLMEngine:
         self.history: deque[dict] = deque(maxlen=config.history_size)
 
     # -- construction ----------------------------------------------------------------------
-    def _kv_capacity_tokens(self) -> int:
+    def _build_kv_cache(self):
+        """The runner sizes and allocates the cache; the KV manager (built-in or a plug-in) manages it."""
         c = self.config
-        if c.kv_cache_tokens is not None:
-            return c.kv_cache_tokens
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override * c.block_size
-        if c.kv_cache_memory_bytes is not None:
-            return c.kv_cache_memory_bytes // self.bytes_per_token
-        if self.device.type == "cuda":
-            return self._profile_free_gpu_bytes() // self.bytes_per_token
-        return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
-
-    def _profile_free_gpu_bytes(self) -> int:
-        """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
-        activation peak of a max-size forward + memory torch does not track)."""
-        c = self.config
-        free_start, total = self._mem_at_start
-        requested = int(total * c.gpu_memory_utilization)
-        if free_start < requested:
-            raise ValueError(
-                f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
-                f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
-                f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
-        peak = self.runner.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs)
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        grown = (total - free_now) - (total - free_start)  # what this process added on the device
-        non_torch = max(0, grown - torch.cuda.memory_reserved(self.device))
-        available = requested - peak - non_torch
-        if available <= 0:
-            raise ValueError(
-                f"No memory is left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
-                f"(+{non_torch / 2**30:.2f} GiB outside torch) of the {requested / 2**30:.2f} GiB allowed; raise "
-                f"gpu_memory_utilization or lower max_num_batched_tokens.")
-        return available
-
-    def _build_kv_cache(self, hf):
-        """Size the cache, allocate its tensors, then build the KV manager (built-in or a plug-in)."""
-        c = self.config
-        tokens = self._kv_capacity_tokens()
-        layers, kvh, hd = hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
-        paged = c.kv_cache == "paged"
-        block_size = c.block_size if paged else 1
-        num_blocks = tokens // block_size
-        if num_blocks < 1:
-            raise ValueError(f"The KV cache holds {tokens} tokens, less than one block of {c.block_size}; "
-                             f"raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower block_size")
-        cpu_blocks = 0
-        if c.preemption_mode == "swap":
-            cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
-        tensors = KVCacheTensors(layers, num_blocks * block_size, kvh, hd, self.dtype, self.device,
-                                 block_size=block_size, num_cpu_blocks=cpu_blocks)
-        spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
-                           cpu_blocks, tensors.copy_block)
-        factory = c.kv_cache_manager or (BlockManager.from_spec if paged else ContiguousKVManager.from_spec)
+        tensors, spec = self.runner.allocate_kv_cache(c, self._mem_at_start)
+        factory = c.kv_cache_manager or (BlockManager.from_spec if c.kv_cache == "paged" else ContiguousKVManager.from_spec)
         kv = factory(spec)
         require(kv, KV_REQUIRED, "kv_cache_manager")
         if self.runner.backend.uses_block_tables:
             require(kv, ("block_ids",), f"kv_cache_manager (attention_backend {self.runner.backend.name!r} reads block tables)")
-        if paged:
-            logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
-                        "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
-                        self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
-                        num_blocks * c.block_size / c.max_model_len)
-        else:
-            logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
-                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
-                        c.max_model_len, tokens / c.max_model_len)
         return kv, tensors
 
     # -- tokenizer -------------------------------------------------------------------------

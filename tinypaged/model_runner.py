@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import torch
 
+import logging
+
 from tinypaged.attention import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.block_manager import blocks_needed
-from tinypaged.interfaces import InvariantError
+from tinypaged.config import CPU_DEFAULT_KV_BYTES
+from tinypaged.interfaces import InvariantError, KVCacheSpec
+from tinypaged.kv_cache import KVCacheTensors, kv_bytes_per_token
+from tinypaged.model import head_dim_of
+
+logger = logging.getLogger("tinypaged")
 
 
 class ModelRunner:
@@ -23,6 +30,10 @@ class ModelRunner:
         self.check_invariants = check_invariants  # the costlier cross-sequence check (on for plug-ins)
         self.kv = self.tensors = None
         self.capacity = 0
+        hf = model.config
+        self.dtype = next(model.parameters()).dtype
+        self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
+        self.bytes_per_token = kv_bytes_per_token(*self.kv_shape, self.dtype)
 
     def attach(self, kv_manager, kv_tensors) -> None:
         """The KV cache, once it is sized (profiling runs before it exists)."""
@@ -113,25 +124,81 @@ class ModelRunner:
         logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))
         return (logits, sampling) if rows else (None, [])
 
+    # -- sizing the KV cache -----------------------------------------------------------------
+    def kv_capacity_tokens(self, c, mem_at_start) -> int:
+        if c.kv_cache_tokens is not None:
+            return c.kv_cache_tokens
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override * c.block_size
+        if c.kv_cache_memory_bytes is not None:
+            return c.kv_cache_memory_bytes // self.bytes_per_token
+        if self.device.type == "cuda":
+            return self.profile_free_gpu_bytes(c, mem_at_start) // self.bytes_per_token
+        return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
+
+    def profile_free_gpu_bytes(self, c, mem_at_start) -> int:
+        """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
+        activation peak of a max-size forward + memory torch does not track)."""
+        free_start, total = mem_at_start
+        requested = int(total * c.gpu_memory_utilization)
+        if free_start < requested:
+            raise ValueError(
+                f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
+                f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
+                f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
+        peak = self.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs)
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = free_start - free_now  # what this process added on the device since start-up
+        non_torch = max(0, grown - torch.cuda.memory_reserved(self.device))
+        available = requested - peak - non_torch
+        if available <= 0:
+            raise ValueError(
+                f"No memory is left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
+                f"(+{non_torch / 2**30:.2f} GiB outside torch) of the {requested / 2**30:.2f} GiB allowed; raise "
+                f"gpu_memory_utilization or lower max_num_batched_tokens.")
+        return available
+
+    def allocate_kv_cache(self, c, mem_at_start=None) -> tuple[KVCacheTensors, KVCacheSpec]:
+        """Size the cache (vLLM's knobs), allocate its tensors, and describe it for a KV manager."""
+        tokens = self.kv_capacity_tokens(c, mem_at_start)
+        paged = c.kv_cache == "paged"
+        block_size = c.block_size if paged else 1
+        num_blocks = tokens // block_size
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache holds {tokens} tokens, less than one block of {c.block_size}; "
+                             f"raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower block_size")
+        cpu_blocks = 0
+        if c.preemption_mode == "swap":
+            cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
+        tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
+                                 self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
+        spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
+                           cpu_blocks, tensors.copy_block)
+        if paged:
+            logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
+                        "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
+                        self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
+                        num_blocks * c.block_size / c.max_model_len)
+        else:
+            logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
+                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
+                        c.max_model_len, tokens / c.max_model_len)
+        return tensors, spec
+
     # -- memory profiling (CUDA) ------------------------------------------------------------
     def profile_peak_bytes(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
         """Peak memory torch allocates for weights plus one forward of ``max_num_batched_tokens`` tokens
         (prompts of at most ``max_model_len``), the KV cache excluded: vLLM's profiling run. It goes
         through ``prepare`` with a throw-away contiguous cache, like any step."""
         from tinypaged.contiguous import ContiguousKVManager
-        from tinypaged.kv_cache import KVCacheTensors
         from tinypaged.sampling_params import SamplingParams
         from tinypaged.scheduler import ScheduledSeq
         from tinypaged.sequence import Sequence
 
-        from tinypaged.model import head_dim_of
-
         n = max_num_batched_tokens
-        hf = self.model.config
-        dtype = next(self.model.parameters()).dtype
         sizes = [min(max_model_len, n - start) for start in range(0, n, max_model_len)]  # prompts <= max_model_len
         slots = n + len(sizes)  # "oracle" reserves prompt + 1 token each
-        scratch = KVCacheTensors(hf.num_hidden_layers, slots, hf.num_key_value_heads, head_dim_of(hf), dtype, self.device)
+        scratch = KVCacheTensors(self.kv_shape[0], slots, *self.kv_shape[1:], self.dtype, self.device)
         kv = ContiguousKVManager(slots, "oracle", max_model_len)
         batch = []
         for size in sizes:
