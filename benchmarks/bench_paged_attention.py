@@ -15,6 +15,10 @@ the table reports:
 * ``gather us`` / ``speed-up`` - the baseline that first copies K/V out of the pages into
                    padded contiguous tensors, then runs torch attention.
 
+The last three lines (``summary: ...``) condense the table, for ``scripts/gpu_check.sh``'s report:
+the best bandwidth as a fraction of the copy, and the median paging overhead and speed-up (with
+their ranges) over the configurations measured.
+
 Usage::
 
     python benchmarks/bench_paged_attention.py            # full sweep (~1-2 min on an H200)
@@ -26,6 +30,7 @@ nothing; the script says so and exits successfully.
 
 import argparse
 import itertools
+import statistics
 import sys
 
 import tinypaged  # noqa: F401  (first, before triton: it decides how Triton kernels run)
@@ -102,6 +107,7 @@ def main(argv=None):
     def bench(fn):
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
+    rows = []
     for dtype, block_size, batch, context in sweep:
         scale = HEAD_DIM ** -0.5
         paged = make_batch(batch, context, block_size, dtype, identity=False)
@@ -122,9 +128,29 @@ def main(argv=None):
               f"{t_paged * 1e3:>9.1f} {bw / 1e9:>6.0f} {100 * bw / copy_bw:>5.0f}% | "
               f"{t_ident * 1e3:>9.1f} {100 * (t_paged / t_ident - 1):>+8.1f}% | "
               f"{t_gather * 1e3:>10.1f} {t_gather / t_paged:>7.1f}x")
+        config = f"{str(dtype)[6:]}, block {block_size}, batch {batch}, context {context}"
+        rows.append({"config": config, "copy": bw / copy_bw, "paging": t_paged / t_ident - 1,
+                     "speedup": t_gather / t_paged})
         del paged, ident, out, ref
         torch.cuda.empty_cache()
+    print()
+    for line in summary(rows):
+        print(line)
     return 0
+
+
+def summary(rows):
+    """Three ``summary:`` lines condensing the table's rows (dicts with config, copy, paging, speedup)."""
+    best = max(rows, key=lambda r: r["copy"])
+    paging = [r["paging"] for r in rows]
+    speedup = [r["speedup"] for r in rows]
+    return [
+        f"summary: bandwidth {100 * best['copy']:.0f}% of the device-to-device copy (best: {best['config']})",
+        f"summary: paging overhead vs an identity block table {100 * statistics.median(paging):+.1f}% "
+        f"(median of {len(rows)}; {100 * min(paging):+.1f}% .. {100 * max(paging):+.1f}%; paper, 2023: +20-26%)",
+        f"summary: speed-up over gather-then-attend {statistics.median(speedup):.1f}x "
+        f"(median of {len(rows)}; {min(speedup):.1f}x .. {max(speedup):.1f}x)",
+    ]
 
 
 if __name__ == "__main__":

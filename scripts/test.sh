@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: set up, then package tests and nbval on every notebook.
+# The whole test suite, from a fresh clone: set up, then package tests, nbval on every notebook, and the
+# browser test (every lesson in JupyterLab; skipped, with one line saying so, where no Chromium is found).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -7,7 +8,8 @@ export PATH="$PWD/.venv/bin:$PATH" PYTHONHASHSEED=0 MPLBACKEND=Agg TOKENIZERS_PA
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
 python -m tinypaged.coursework check             # exercises must match their solutions
-python -m pytest -q tests "$@"
+python -m pytest -q tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab "$@"
 # Notebooks and solutions: strict output comparison. Exercises: run, outputs not compared.
 python -m pytest -q -p no:randomly --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
 python -m pytest -q --nbval-lax --nbval-current-env exercises
+bash scripts/browser_test.sh

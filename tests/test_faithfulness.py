@@ -40,10 +40,14 @@ def test_min_tokens_suppresses_stop_token_ids():
 
 def test_min_tokens_suppresses_eos():
     llm = tiny()
-    eos = sorted(llm.llm_engine.eos_token_ids)[0]
-    out = greedy(llm, ignore_eos=True)
-    out = greedy(llm, stop_token_ids=[out.token_ids[0]], min_tokens=1, max_tokens=4)  # the engine's own knob
-    assert eos not in out.token_ids[:1]
+    saved = llm.llm_engine.eos_token_ids
+    first = greedy(llm, ignore_eos=True).token_ids[0]
+    llm.llm_engine.eos_token_ids = {first}  # pretend the greedy first token is EOS
+    try:
+        out = greedy(llm, min_tokens=2, max_tokens=6)
+    finally:
+        llm.llm_engine.eos_token_ids = saved
+    assert out.token_ids[0] != first and len(out.token_ids) >= 2
 
 
 def test_stop_string_inside_the_min_tokens_window_is_not_matched():
@@ -118,13 +122,16 @@ def test_engine_swap_preemption_with_forked_samples_matches_recompute():
 
 # -- 5: the free queue's order -----------------------------------------------------------------------
 def test_free_queue_keeps_cached_prefixes_over_partial_blocks():
-    """The issue's repro: 4 blocks of 4 tokens."""
+    """The issue's repro: 4 blocks of 4 tokens, one of them held by another request throughout."""
     bm = BlockManager(4, 4, enable_prefix_caching=True)
+    other = Sequence("d", [7], SamplingParams())
+    bm.allocate_slots(other, 1)
     a = Sequence("a", list(range(9)), SamplingParams())
     bm.allocate_slots(a, 8)  # two full, hashed blocks
     bm.free(a)
     b = Sequence("b", list(range(4)) + [50, 51], SamplingParams())
     hit = bm.get_computed_blocks(b)
+    assert len(hit) == 1
     bm.allocate_slots(b, 2, hit)  # one hashed block (a hit) and one partial block
     bm.free(b)
     c = Sequence("c", [90], SamplingParams())

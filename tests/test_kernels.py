@@ -17,7 +17,7 @@ from tinypaged.kernels import (
     reshape_and_cache,
     reshape_and_cache_reference,
 )
-from tinypaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, _choose_num_splits
+from tinypaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, _choose_num_splits, _dot_precision
 from tinypaged.triton_mode import INTERPRETED
 
 if INTERPRETED:
@@ -179,6 +179,23 @@ def test_bfloat16(device):
     expected = paged_attention_reference(*args, 128 ** -0.5)
     for num_splits in (1, 3):
         assert_close(paged_attention_decode(*args, 128 ** -0.5, num_splits=num_splits), expected, torch.bfloat16)
+
+
+def test_fp32_is_compared_in_ieee_precision():
+    """The fp32 tolerances (1e-4) assume IEEE fp32 on both sides; TF32 (a 10-bit mantissa) would need ~1e-2.
+
+    The kernel asks tl.dot for IEEE, and torch's fp32 matmuls (the references, and the model in the
+    lessons) must not have been switched to TF32 by any import on the way here.
+    """
+    assert _dot_precision(torch.float32) == "ieee" and _dot_precision(torch.float64) == "ieee"
+    import transformers  # noqa: F401  (imported by the engine: it must not change the setting)
+
+    from tinypaged import LLM
+
+    LLM("tiny", dtype="float32", device="cpu", num_gpu_blocks_override=8)
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert not torch.backends.cuda.matmul.allow_tf32
+    assert getattr(torch.backends.cuda.matmul, "fp32_precision", "none") in ("none", "ieee")
 
 
 def test_choose_num_splits():

@@ -124,10 +124,13 @@ class TritonBackend(DecodeFunctionBackend):
     """Stage 5: the Triton kernels write the cache (``reshape_and_cache``) and walk block tables."""
 
     def __init__(self, block_size: int):
-        from tinypaged.kernels import paged_attention_decode
+        self.name, self.block_size = "triton", block_size
 
-        super().__init__(paged_attention_decode, "triton")
-        self.block_size = block_size
+    @property
+    def fn(self):
+        from tinypaged import kernels  # looked up at call time, so tests and notebooks can wrap it
+
+        return kernels.paged_attention_decode
 
     def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         from tinypaged.kernels import reshape_and_cache

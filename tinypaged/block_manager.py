@@ -335,11 +335,13 @@ class BlockManager:
                 self.cpu_ref[to_cpu[b.block_id]] = self.cpu_ref.get(to_cpu[b.block_id], 0) + 1
             self.pool.release(reversed(table))
 
-    def can_swap_in(self, seqs) -> bool:
-        """Room for the swapped blocks plus one more block per sequence (its next token, or a
+    def can_swap_in(self, seqs, num_new_tokens: int = 1) -> bool:
+        """Room for the swapped blocks plus what each sequence's next ``num_new_tokens`` need (and a
         copy-on-write), so the allocation right after swapping in cannot fail."""
         distinct = self._distinct(self.swapped.get(s.seq_id, []) for s in seqs)
-        return len(distinct) + len(seqs) <= self.pool.num_free
+        grow = sum(max(self.blocks_for(s.num_computed_tokens + num_new_tokens) - len(self.swapped.get(s.seq_id, [])), 0)
+                   + 1 for s in seqs)
+        return len(distinct) + grow <= self.pool.num_free
 
     def swap_in(self, seqs, copy_to_gpu) -> None:
         cpu_ids = self._distinct(self.swapped.get(s.seq_id, []) for s in seqs)

@@ -66,6 +66,9 @@ class LLM:
                 pending.difference_update(out.request_id for out in step.finished)
                 yield step
                 if not step.scheduled:
+                    if not engine.has_unfinished_requests() and pending:
+                        raise RuntimeError(f"requests {sorted(pending)} left every queue unfinished (a plug-in "
+                                           f"dropped them?); the engine would wait forever")
                     _wait_for_next_arrival(engine)
         finally:
             if pending:

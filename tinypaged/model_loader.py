@@ -153,10 +153,20 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
 
 
 def load_tokenizer(model: str):
-    """The model's Hugging Face tokenizer, or None for a folder that ships none (token-id prompts only)."""
+    """The model's Hugging Face tokenizer, or None for a folder that ships none (token-id prompts only).
+
+    "tiny" borrows SmolLM2's; where SmolLM2 is not installed (a GPU box that only runs the kernel and
+    "tiny" checks) it has none, and runs on token ids.
+    """
     from transformers import AutoTokenizer
 
-    folder = smollm2_folder() if model == TINY else resolve_model_folder(model)
+    if model == TINY:
+        try:
+            folder = smollm2_folder()
+        except FileNotFoundError:
+            return None
+    else:
+        folder = resolve_model_folder(model)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     return AutoTokenizer.from_pretrained(folder)

@@ -262,9 +262,9 @@ class Scheduler:
                        seq.seq_id, seq.request_id, how, self.num_preemptions)
         return group
 
-    def swap_in(self, group: list[Sequence]) -> bool:
-        """Bring a swapped group back (all or nothing), with room for each one's next token."""
-        if not self.kv.can_swap_in(group):
+    def swap_in(self, group: list[Sequence], num_new_tokens: int = 1) -> bool:
+        """Bring a swapped group back (all or nothing), with room for each one's next tokens."""
+        if not self.kv.can_swap_in(group, num_new_tokens):
             return False
         self.kv.swap_in(group, self.swapper.copy_to_gpu)
         self.swapped.remove(group)
@@ -416,8 +416,9 @@ class _KVView:
         if len(item.seqs) > 1 or item.seqs[0].status is SequenceStatus.SWAPPED:  # a swapped group
             # siblings resume together (each decodes one token); a lone sequence may resume mid-prompt
             whole = len(item.seqs) > 1
-            ok = (n == item.num_new_tokens or not whole) and s.swap_in(item.seqs)
-            ok = ok and all(s.allocate(x, x.num_uncomputed_tokens if whole else n) for x in item.seqs)
+            ok = (n == item.num_new_tokens or not whole) and s.swap_in(item.seqs, 1 if whole else n)
+            if ok and not all(s.allocate(x, x.num_uncomputed_tokens if whole else n) for x in item.seqs):
+                raise InvariantError("a swapped-in sequence found no room for its next tokens")
         else:
             ok = s.allocate(item.seqs[0], n, item.computed if item.waiting else ())
         if ok:
