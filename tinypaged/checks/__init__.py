@@ -203,14 +203,22 @@ def differ(want, got, tol: float) -> str | None:
         return None
     if _number(want) and _number(got):
         return None if abs(want - got) <= tol else f"expected {_show(want)}, got {_show(got)}"
-    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got) and tol:
-        for w, g in zip(want, got):
-            if differ(w, g, tol) is not None:
-                return f"expected {_show(want)}, got {_show(got)}"
+    if isinstance(want, dict) and isinstance(got, dict) and want.keys() == got.keys():
+        for k in want:  # name the first entry that differs
+            why = differ(want[k], got[k], tol)
+            if why is not None:
+                return f"{k!r}: {why}"
         return None
-    if isinstance(want, dict) and isinstance(got, dict) and tol and want.keys() == got.keys():
-        return None if all(differ(want[k], got[k], tol) is None for k in want) else \
-            f"expected {_show(want)}, got {_show(got)}"
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        if len(want) > 6 or any(isinstance(w, (list, dict)) for w in want):
+            for i, (w, g) in enumerate(zip(want, got)):  # long or nested lists: the first item that differs
+                why = differ(w, g, tol)
+                if why is not None:
+                    return f"item {i}: {why}"
+            return None
+        if tol:
+            return None if all(differ(w, g, tol) is None for w, g in zip(want, got)) else \
+                f"expected {_show(want)}, got {_show(got)}"
     return None if want == got else f"expected {_show(want)}, got {_show(got)}"
 
 
