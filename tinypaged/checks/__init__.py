@@ -292,15 +292,47 @@ def _qualname(obj) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
 
 
+def _ours() -> tuple[str, ...]:
+    """Directories of code that is not the learner's: tinypaged, its kernels, the standard library, site-packages."""
+    import sysconfig
+
+    import tinypaged
+
+    dirs = {os.path.dirname(os.path.abspath(tinypaged.__file__))}
+    kernels = sys.modules.get("tinypaged.kernels")
+    if kernels is not None and getattr(kernels, "__file__", None):
+        dirs.add(os.path.dirname(os.path.abspath(kernels.__file__)))
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path))
+    return tuple(d + os.sep for d in dirs)
+
+
 class _Tripwire:
-    """A trace function that notes calls into forbidden code while a learner's implementation runs."""
+    """A trace function that notes calls into forbidden code made (directly or not) by the learner's code.
+
+    The check's own code may use reference helpers to set up a case; only a forbidden call with a
+    learner frame between it and the case runner counts.
+    """
 
     def __init__(self, codes):
         self.codes = codes
         self.hits: list[str] = []
+        self.ours = _ours()
+        self.base = None  # the case runner's frame
+
+    def _learner_on_stack(self, frame) -> bool:
+        f = frame.f_back
+        while f is not None and f is not self.base:
+            name = f.f_code.co_filename
+            if not (name.startswith(self.ours) or name.startswith("<frozen")):
+                return True
+            f = f.f_back
+        return False
 
     def __call__(self, frame, event, arg):
-        if event == "call" and frame.f_code in self.codes:
+        if event == "call" and frame.f_code in self.codes and self._learner_on_stack(frame):
             self.hits.append(frame.f_code.co_qualname)
         return None
 
@@ -312,6 +344,7 @@ def run_case(case: Case, impl, tripwire: _Tripwire | None = None) -> dict:
     previous = sys.gettrace()
     try:
         if tripwire is not None:
+            tripwire.base = sys._getframe()
             sys.settrace(tripwire)
         result = case.run(impl, t)
         if result is not None:
