@@ -21,6 +21,8 @@ c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
 
 c.CourseDirectory.root = os.environ.get("TINYPAGED_COURSE", str(HERE / "course"))
 c.CourseDirectory.course_id = "tinypaged"
+# The exchange (release_assignment / fetch_assignment / submit / collect) for a shared JupyterHub.
+c.Exchange.root = os.environ.get("TINYPAGED_EXCHANGE", os.path.join(c.CourseDirectory.root, "exchange"))
 
 # Solution regions become the stub the in-notebook checks recognise as "not implemented yet".
 c.ClearSolutions.code_stub = {"python": 'raise NotImplementedError("not implemented yet")'}

@@ -57,6 +57,9 @@ def _nbgrader_api(course_root: Path, config_file: Path = CONFIG):
         cfg.merge(PyFileConfigLoader(config_file.name, path=str(config_file.parent)).load_config())
     cfg.CourseDirectory.root = str(course_root)
     cfg.CourseDirectory.db_url = f"sqlite:///{course_root / 'gradebook.db'}"
+    if "TINYPAGED_EXCHANGE" not in os.environ:
+        cfg.Exchange.root = str(course_root / "exchange")
+    (course_root / "exchange").mkdir(parents=True, exist_ok=True)
     return NbGraderAPI(config=cfg)
 
 
