@@ -249,6 +249,7 @@ def main(argv=None) -> int:
     lint = sub.add_parser("lint", help="check solution notebooks against the assignment conventions")
     lint.add_argument("notebooks", nargs="*", type=Path)
     rel = sub.add_parser("release", help="set up the nbgrader course (source/, release/, gradebook)")
+    rel.add_argument("assignments", nargs="*", help="assignment names (default: every solution notebook)")
     rel.add_argument("--course", type=Path, default=None, help="course root (default: nbgrader_config.py's)")
     g = sub.add_parser("grade", help="run and score submitted notebooks, each in its own kernel")
     g.add_argument("notebooks", nargs="+", type=Path)
@@ -257,6 +258,7 @@ def main(argv=None) -> int:
     g.add_argument("--timeout", type=int, default=120, help="seconds per cell (default 120)")
     g.add_argument("--notebook-timeout", type=int, default=900, help="seconds per notebook (default 900)")
     g.add_argument("--solutions", type=Path, default=ROOT / "solutions", help="the instructor's notebooks")
+    g.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     args = ap.parse_args(argv)
 
     if args.cmd == "generate":
@@ -281,11 +283,20 @@ def main(argv=None) -> int:
         return status
     if args.cmd == "release":
         course = args.course or course_root()
-        for sol, out in release(course, [s for s, _ in pairs()]).items():
+        sols = [s for s, _ in pairs()]
+        unknown = set(args.assignments) - {s.stem for s in sols}
+        if unknown:
+            print(f"no solution notebook for {sorted(unknown)}; known: {[s.stem for s in sols]}")
+            return 1
+        for sol, out in release(course, [s for s in sols if not args.assignments or s.stem in args.assignments]).items():
             print(f"released {out}")
         return 0
 
-    reports = [grade_notebook(nb, args.solutions, args.timeout, args.notebook_timeout) for nb in args.notebooks]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own subprocess and kernel
+        reports = list(pool.map(lambda nb: grade_notebook(nb, args.solutions, args.timeout, args.notebook_timeout),
+                                args.notebooks))
     if args.csv:
         write_csv(reports, args.csv)
     if args.json:

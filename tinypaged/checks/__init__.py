@@ -34,6 +34,7 @@ import json
 import math
 import os
 import sys
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -391,9 +392,13 @@ def _expected_json(name: str, hidden: int | None) -> str:
     return json.dumps(outcomes)
 
 
+_EXPECTED_LOCK = threading.Lock()
+
+
 def expected_outcomes(name: str, hidden: int | None = None) -> list[dict]:
-    """What the reference implementation observes in every case (cached per process)."""
-    return json.loads(_expected_json(name, hidden))
+    """What the reference implementation observes in every case (cached per process; one at a time)."""
+    with _EXPECTED_LOCK:
+        return json.loads(_expected_json(name, hidden))
 
 
 def compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str]:
