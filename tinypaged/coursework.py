@@ -213,10 +213,9 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeou
 def format_report(r: dict) -> str:
     from tinypaged.grading.verify import verdict_lines
 
-    head = f"{r['notebook']}: {r['score']:g}/{r['max_score']:g}"
+    lines = [f"{r['notebook']}: {r['score']:g}/{r['max_score']:g}"]  # scripts/gpu_check.sh greps this line
     if r.get("stage"):
-        head += f" (stage {r['stage']})"
-    lines = [head]
+        lines.append(f"  stage {r['stage']}, graded against {r.get('source', '?')}")
     if r.get("error"):
         lines.append(f"  ERROR {r['error']}")
     for t in r["tests"]:
