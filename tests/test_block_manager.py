@@ -21,7 +21,7 @@ from tinypaged.checks import stage02
 
 
 class FakeSeq:
-    """What BlockManager reads from a sequence: an id, its progress and its block table."""
+    """What BlockManager reads from a sequence: an id and its progress (the manager owns the table)."""
 
     _next = 0
 
@@ -29,7 +29,6 @@ class FakeSeq:
         FakeSeq._next += 1
         self.seq_id = 10_000 + FakeSeq._next
         self.num_computed_tokens = 0
-        self.block_table: list[int] = []
         self.token_ids: list[int] = []
 
     def __len__(self):
@@ -53,15 +52,15 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def _grow(self, seq: FakeSeq, n: int) -> None:
         before = snapshot(self.bm)
-        table_before = list(seq.block_table)
+        table_before = self.bm.block_ids(seq)
         fits = ceil_div(seq.num_computed_tokens + n, self.bm.block_size) - len(table_before) <= self.bm.num_free_blocks
         ok = self.bm.allocate_slots(seq, n)
         assert ok == fits, f"allocate_slots returned {ok} but the blocks {'fit' if fits else 'do not fit'}"
         if ok:
             seq.num_computed_tokens += n
-            assert seq.block_table[:len(table_before)] == table_before, "growing a table must not move its old blocks"
+            assert self.bm.block_ids(seq)[:len(table_before)] == table_before, "growing a table must not move its old blocks"
         else:
-            assert snapshot(self.bm) == before and seq.block_table == table_before, \
+            assert snapshot(self.bm) == before and self.bm.block_ids(seq) == table_before, \
                 "a failed allocate_slots changed the allocator's state"
 
     @rule(n=st.integers(1, 40))
@@ -84,7 +83,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def free(self, i):
         seq = self.seqs.pop(i % len(self.seqs))
         self.bm.free(seq)
-        assert seq.block_table == []
+        assert self.bm.block_ids(seq) == []
 
     @invariant()
     def every_block_accounted_for(self):
@@ -99,16 +98,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def tables_hold_exactly_ceil_length(self):
         for seq in self.seqs:
-            assert len(seq.block_table) == ceil_div(seq.num_computed_tokens, self.bm.block_size)
-            assert seq.block_table == [b.block_id for b in self.bm.tables[seq.seq_id]]
+            assert len(self.bm.block_ids(seq)) == ceil_div(seq.num_computed_tokens, self.bm.block_size)
 
     @invariant()
     def slots_are_distinct_and_in_range(self):
         seen = set()
         cap = self.bm.capacity_tokens
         for seq in self.seqs:
-            for p in range(seq.num_computed_tokens):
-                s = self.bm.slot(seq, p)
+            for s in self.bm.slot_mapping(seq, 0, seq.num_computed_tokens):
                 assert 0 <= s < cap and s not in seen, f"slot {s} reused or out of range"
                 seen.add(s)
 
@@ -126,11 +123,12 @@ TestAllocator = AllocatorMachine.TestCase
 
 
 def test_slot_mapping_formula():
-    bm = BlockManager(16, 4)
-    seq = FakeSeq()
-    seq.block_table = [7, 2, 9]
-    assert [bm.slot(seq, p) for p in range(10)] == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
-    assert slot_mapping([7, 2, 9], range(10), 4) == [bm.slot(seq, p) for p in range(10)]
+    assert slot_mapping([7, 2, 9], range(10), 4) == [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
+    bm = BlockManager(4, 4)
+    a, b = FakeSeq(), FakeSeq()
+    bm.allocate_slots(a, 4)
+    bm.allocate_slots(b, 6)  # b gets blocks 1 and 2
+    assert bm.slot_mapping(b, 0, 6) == slot_mapping(bm.block_ids(b), range(6), 4) == [4, 5, 6, 7, 8, 9]
     assert slot_mapping([7, 2, 9], [0, -1], 4) == [28, -1]
     slots = paged_context_slots(torch.tensor([[7, 2, 9]]), 10, 4)[0].tolist()
     assert slots == slot_mapping([7, 2, 9], range(10), 4)
@@ -151,22 +149,23 @@ def test_allocate_slots_false_without_change_when_blocks_run_out():
     a.num_computed_tokens = 9
     before = snapshot(bm)
     assert not bm.allocate_slots(b, 5)  # needs 2, 1 free
-    assert snapshot(bm) == before and b.block_table == []
+    assert snapshot(bm) == before and bm.block_ids(b) == []
     assert not bm.allocate_slots(a, 8)  # 17 tokens need 5 blocks
-    assert snapshot(bm) == before and a.block_table == [0, 1, 2]
+    assert snapshot(bm) == before and bm.block_ids(a) == [0, 1, 2]
     assert bm.allocate_slots(a, 4)  # 13 tokens: one more block, the last one
-    assert a.block_table == [0, 1, 2, 3] and bm.num_free_blocks == 0
+    assert bm.block_ids(a) == [0, 1, 2, 3] and bm.num_free_blocks == 0
 
 
-def test_freed_blocks_rejoin_the_tail_of_the_free_queue():
+def test_freed_blocks_without_a_hash_are_reused_first():
+    """vLLM v1's free_blocks: a freed block holding no cached prefix goes to the head of the queue."""
     bm = BlockManager(6, 2)
     a, b = FakeSeq(), FakeSeq()
     bm.allocate_slots(a, 4)
     bm.allocate_slots(b, 2)
-    bm.free(a)  # blocks 0, 1 go behind 3, 4, 5 (tail first: 1 then 0)
+    bm.free(a)  # blocks 1 then 0 (tail first) jump ahead of 3, 4, 5
     c = FakeSeq()
     bm.allocate_slots(c, 10)
-    assert c.block_table == [3, 4, 5, 1, 0]
+    assert bm.block_ids(c) == [0, 1, 3, 4, 5]
 
 
 # -- the notebook checks reject broken implementations ------------------------------------------

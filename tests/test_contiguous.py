@@ -104,15 +104,15 @@ def test_manager_reserves_by_policy_and_refuses_to_outgrow(policy, want):
     kv = ContiguousKVManager(1000, policy, 256)
     seq = _seq(30, 10)
     assert kv.allocate_slots(seq, 30)
-    assert seq.kv_region == (0, want)
-    assert kv.slot(seq, 7) == 7
+    assert kv.region(seq) == (0, want)
+    assert kv.slot_mapping(seq, 7, 9) == [7, 8]
     st = kv.stats()
     assert (st["kv_reserved_tokens"], st["kv_token_states"]) == (want, 0)
     seq.num_computed_tokens = want
     with pytest.raises(RuntimeError, match="outgrew"):
         kv.allocate_slots(seq, 1)
     kv.free(seq)
-    assert kv.stats()["kv_reserved_tokens"] == 0 and seq.kv_region is None
+    assert kv.stats()["kv_reserved_tokens"] == 0 and kv.region(seq) is None and kv.usage == 0
 
 
 # -- the engine on a contiguous cache ---------------------------------------------------------

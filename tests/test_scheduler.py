@@ -178,7 +178,7 @@ def test_recompute_keeps_generated_tokens_and_requeues_at_the_front():
         if step.preempted:
             victim = step.preempted[-1]
             assert engine.scheduler.waiting[0] is victim
-            assert victim.num_computed_tokens == 0 and victim.block_table == []
+            assert victim.num_computed_tokens == 0 and engine.kv.block_ids(victim) == []
             assert len(victim) > victim.num_prompt_tokens or victim.output_token_ids == []
             kept = list(victim.output_token_ids)
             engine.step()  # recomputing resumes from the kept tokens: a prefill of prompt + outputs
@@ -197,7 +197,7 @@ def test_swap_preemption_moves_blocks_to_cpu_and_back():
     while engine.has_unfinished_requests():
         step = engine.step()
         for v in step.preempted:
-            assert v.status.value == "swapped" and v.num_computed_tokens > 0 and v.block_table == []
+            assert v.status.value == "swapped" and v.num_computed_tokens > 0 and engine.kv.block_ids(v) == []
             swapped = True
     assert swapped
 
@@ -322,7 +322,7 @@ def _broken_schedule_steps():
         "admits in a preempting step": variant("    if plan.preempted:\n        return plan\n", ""),
         "first victim": variant("victim = pick_victim(running)", "victim = running[0]"),
         "ignores the budget": variant("n = min(req.num_new_tokens, budget)", "n = req.num_new_tokens"),
-        "ignores max_num_seqs": variant(" or len(running) >= max_num_seqs", ""),
+        "ignores max_num_seqs": variant(" or num_seqs + seqs > max_num_seqs", ""),
         "skips a request that does not fit": variant("        if not kv.allocate(req, n):\n            break",
                                                      "        if not kv.allocate(req, n):\n            continue"),
         "waiting first": variant("    i = 0\n", "    i = len(running)\n"),

@@ -44,11 +44,6 @@ def gather_kv(cache: torch.Tensor, block_table, context_len: int) -> torch.Tenso
     return cache[table[j // bs], j % bs]
 
 
-def contiguous_context_slots(starts: torch.Tensor, context_len: int) -> torch.Tensor:
-    """[num_seqs] region starts -> [num_seqs, context_len] slots (a region is one run of slots)."""
-    return starts[:, None].long() + torch.arange(context_len, device=starts.device)
-
-
 def attend_gathered(q, keys, values, q_positions, context_lens, scale):
     """Reference attention on gathered keys and values, with grouped-query heads.
 
@@ -72,6 +67,94 @@ def attend_gathered(q, keys, values, q_positions, context_lens, scale):
     return out.to(q.dtype)
 
 
+# -- attention backends (tinypaged.interfaces.AttentionBackend) ----------------------------------------
+@dataclass
+class DecodeBatch:
+    """Where the decode queries' keys are: ``context_lens`` [B], plus ``block_tables`` [B, max_blocks]
+    (int32; paged caches) and/or ``context_slots`` [B, max_len] (slot of every key position)."""
+
+    rows: torch.Tensor  # rows of the flat token batch that are decode queries
+    context_lens: torch.Tensor
+    block_size: int
+    block_tables: torch.Tensor | None = None
+    context_slots: torch.Tensor | None = None
+
+
+def _blocked(cache: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, KVH, D] -> [num_blocks, block_size, KVH, D] (a view: the kernels' layout)."""
+    return cache.view(-1, block_size, *cache.shape[1:])
+
+
+class TorchBackend:
+    """Reference backend: index-copy writes; decode gathers each sequence's keys by slot, then attends."""
+
+    name = "torch"
+    uses_block_tables = False
+
+    def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        key_cache[slots] = key[keep]
+        value_cache[slots] = value[keep]
+
+    def decode(self, query, key_cache, value_cache, batch: DecodeBatch, scale: float) -> torch.Tensor:
+        slots = batch.context_slots
+        positions = (batch.context_lens - 1)[:, None]
+        return attend_gathered(query[:, None], key_cache[slots], value_cache[slots], positions,
+                               batch.context_lens, scale)[:, 0]
+
+
+class DecodeFunctionBackend(TorchBackend):
+    """A paged decode function, ``fn(query, k_cache, v_cache, block_tables, context_lens, scale)`` with
+    caches in the blocked layout (``paged_attention_decode``'s signature): a learner's kernel plugs in here."""
+
+    uses_block_tables = True
+
+    def __init__(self, fn, name: str | None = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "custom")
+
+    def decode(self, query, key_cache, value_cache, batch: DecodeBatch, scale: float) -> torch.Tensor:
+        bs = batch.block_size
+        return self.fn(query, _blocked(key_cache, bs), _blocked(value_cache, bs), batch.block_tables,
+                       batch.context_lens.to(torch.int32), scale)
+
+
+class TritonBackend(DecodeFunctionBackend):
+    """Stage 5: the Triton kernels write the cache (``reshape_and_cache``) and walk block tables."""
+
+    def __init__(self, block_size: int):
+        from tinypaged.kernels import paged_attention_decode
+
+        super().__init__(paged_attention_decode, "triton")
+        self.block_size = block_size
+
+    def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        from tinypaged.kernels import reshape_and_cache
+
+        bs = self.block_size
+        reshape_and_cache(key, value, _blocked(key_cache, bs), _blocked(value_cache, bs), slot_mapping)
+
+
+def make_backend(choice, block_size: int):
+    """"torch", "triton", a decode function, or a backend object (checked against the protocol)."""
+    from tinypaged.interfaces import BACKEND_REQUIRED, require
+
+    if choice == "torch":
+        return TorchBackend()
+    if choice == "triton":
+        return TritonBackend(block_size)
+    if isinstance(choice, type):
+        choice = choice()
+    if hasattr(choice, "decode") or hasattr(choice, "write"):
+        require(choice, BACKEND_REQUIRED, "attention_backend")
+        return choice
+    if callable(choice):
+        return DecodeFunctionBackend(choice)
+    raise TypeError(f"attention_backend={choice!r}: use 'torch', 'triton', a paged decode function or an "
+                    f"AttentionBackend object")
+
+
 @dataclass
 class ForwardContext:
     """What attention needs for one engine step (built once per step by the model runner)."""
@@ -79,49 +162,18 @@ class ForwardContext:
     keys: torch.Tensor  # [layers, slots, KVH, D]
     values: torch.Tensor
     slot_mapping: torch.Tensor  # [tokens] where each new token's K/V goes (-1: padding, skipped)
-    # decodes, batched: rows of the flat token batch, their context slots and lengths
-    decode_rows: torch.Tensor | None = None
-    decode_slots: torch.Tensor | None = None  # [B, C]
-    decode_lens: torch.Tensor | None = None  # [B]
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend)
+    backend: object = field(default_factory=TorchBackend)
+    decode: DecodeBatch | None = None
     # prefills, one by one: (first row, last row + 1, context slots [C], first position)
     prefills: list[tuple[int, int, torch.Tensor, int]] = field(default_factory=list)
-    backend: str = "torch"
-    block_size: int = 1
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.backend == "triton":
-            from tinypaged.kernels import reshape_and_cache
-
-            bs = self.block_size
-            kc = self.keys[layer].view(-1, bs, *self.keys.shape[2:])
-            vc = self.values[layer].view(-1, bs, *self.values.shape[2:])
-            reshape_and_cache(k, v, kc, vc, self.slot_mapping)
-            return
-        keep = self.slot_mapping >= 0
-        slots = self.slot_mapping[keep]
-        self.keys[layer, slots] = k[keep]
-        self.values[layer, slots] = v[keep]
 
     def attend(self, layer: int, q, k, v, scale) -> torch.Tensor:
-        self.write(layer, k, v)
-        out = torch.empty_like(q)
         K, V = self.keys[layer], self.values[layer]
-        if self.decode_rows is not None:
-            qd = q[self.decode_rows]
-            if self.backend == "triton":
-                from tinypaged.kernels import paged_attention_decode
-
-                bs = self.block_size
-                out[self.decode_rows] = paged_attention_decode(
-                    qd, K.view(-1, bs, *K.shape[1:]), V.view(-1, bs, *V.shape[1:]),
-                    self.decode_block_tables, self.decode_lens.to(torch.int32), scale,
-                )
-            else:
-                positions = (self.decode_lens - 1)[:, None]
-                out[self.decode_rows] = attend_gathered(
-                    qd[:, None], K[self.decode_slots], V[self.decode_slots], positions, self.decode_lens, scale
-                )[:, 0]
+        self.backend.write(K, V, k, v, self.slot_mapping)
+        out = torch.empty_like(q)
+        if self.decode is not None:
+            rows = self.decode.rows
+            out[rows] = self.backend.decode(q[rows], K, V, self.decode, scale)
         for start, end, slots, first_pos in self.prefills:
             n = end - start
             positions = torch.arange(first_pos, first_pos + n, device=q.device)[None]

@@ -1,13 +1,17 @@
 """Stage 3: beam search on the paged KV cache. Beams share blocks by fork and copy-on-write.
 
-Each beam is a ``Sequence`` with a block table in the engine's ``BlockManager``. One step:
+This is the paper's mechanism (section 4.4, and vLLM v0's): beams are sequences of one request that
+fork and share blocks by reference count. vLLM v1 instead runs ``LLM.beam_search`` outside the engine,
+as repeated one-token ``generate`` calls whose beams share blocks through the prefix cache.
 
-1. every live beam gets room for its next token (``allocate_slots``: a beam whose last block is
-   still shared with a sibling gets a private copy first: copy-on-write);
-2. one forward over all beams of all prompts (``engine.runner.execute``), then log-softmax;
-3. per prompt, the best ``K`` (beam, token) candidates by cumulative log-probability;
-4. the chosen parents are forked (a parent chosen ``m`` times becomes ``m`` beams sharing its
-   blocks), the beams nobody chose are freed.
+Each beam is a running ``Sequence`` in the engine's scheduler. One ``engine.step``:
+
+1. the scheduler gives every live beam room for its next token (a beam whose last block is still
+   shared with a sibling gets a private copy first: copy-on-write in ``allocate_slots``);
+2. one forward over all beams of all prompts, then, instead of sampling, ``select_tokens`` here:
+   log-softmax, and per prompt the best ``K`` (beam, token) candidates by cumulative log-probability;
+3. the chosen parents are forked through the scheduler (a parent chosen ``m`` times becomes ``m``
+   beams sharing its blocks), and the beams nobody chose are finished and freed.
 
 Selection follows Hugging Face's ``generate(num_beams=W, do_sample=False)`` (transformers 5), so the
 tests can use it as the oracle:
@@ -36,8 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinypaged.sampling_params import BeamSearchParams, SamplingParams
-from tinypaged.scheduler import ScheduledSeq
-from tinypaged.sequence import Sequence, SequenceStatus
+from tinypaged.sequence import Sequence
 
 
 @dataclass
@@ -63,7 +66,7 @@ class BeamSearchOutput:
 class _PromptState:
     """The beams of one prompt: running ones (Sequences holding blocks) and finished hypotheses."""
 
-    seq: Sequence  # the prompt's first sequence (before it becomes beam 0)
+    seq: Sequence  # the prompt's first sequence (beam 0)
     beams: list[Sequence] = field(default_factory=list)
     scores: torch.Tensor | None = None  # float32 cumulative log-probs of ``beams``, best first
     finished: list[tuple] = field(default_factory=list)  # (score tensor, tokens, cum_logprob, reason)
@@ -80,60 +83,50 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
     ``on_step(list of each prompt's live beams)`` is called after every step's allocation.
     Every block is freed before returning, also on error.
     """
-    if engine.kv.kind != "paged":
+    kv, sched = engine.kv, engine.scheduler
+    if not hasattr(kv, "fork"):
         raise NotImplementedError("beam search shares KV blocks between beams: use kv_cache='paged'")
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search runs on an idle engine: finish the queued requests first")
     prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
-    kv = engine.kv
+    if len(prompts) * params.beam_width > engine.config.max_num_seqs:
+        raise ValueError(f"{len(prompts)} prompts x beam_width {params.beam_width} beams exceed max_num_seqs="
+                         f"{engine.config.max_num_seqs}")
     sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
     states = []
     for i, prompt in enumerate(prompts):
-        req = engine.make_request(f"beam-{i}", prompt, sp)
-        states.append(_PromptState(req.seqs[0]))
+        seq = engine.make_request(f"beam-{i}", prompt, sp).seqs[0]
+        sched.add(seq)  # scheduled like any request (prefix-cache hits included); beam 0
+        states.append(_PromptState(seq, beams=[seq], scores=torch.zeros(1, dtype=torch.float32)))
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
     record = stats if stats is not None else {}
     record.update(steps=[], cow_copies=0)
     cow0 = kv.num_cow_copies
+    max_len = engine.config.max_model_len
+
+    def select_tokens(sampling, logits):
+        live = [b for st in states if not st.done for b in st.beams]
+        used = kv.num_blocks - kv.num_free_blocks
+        unshared = sum(len(kv.block_ids(b)) for b in live)  # as if every beam owned its blocks
+        record["steps"].append({"blocks_used": used, "blocks_unshared": unshared, "num_beams": len(live)})
+        if on_step is not None:
+            on_step([list(st.beams) for st in states if not st.done])
+        # float32 log-softmax, as transformers does, so rankings agree bit for bit
+        logprobs = torch.log_softmax(logits.to(device="cpu", dtype=torch.float32), dim=-1)
+        row_of = {s.seq_id: r for r, s in enumerate(sampling)}
+        for st in states:
+            if not st.done and all(b.seq_id in row_of for b in st.beams):
+                rows = logprobs[[row_of[b.seq_id] for b in st.beams]]
+                _advance(sched, st, rows, params, eos, early_stopping, max_len)
+
     try:
-        for st in states:  # prefill: the prompt is beam 0 (cached prefix blocks are reused)
-            seq = st.seq
-            computed = kv.get_computed_blocks(seq)
-            _allocate(kv, seq, len(seq) - len(computed) * kv.block_size, computed)
-            seq.num_cached_tokens = len(computed) * kv.block_size
-            kv.record_prefix_lookup(seq, seq.num_cached_tokens)
-            seq.status = SequenceStatus.RUNNING
-            st.beams = [seq]
-            st.scores = torch.zeros(1, dtype=torch.float32)
-        while True:
-            live = [b for st in states if not st.done for b in st.beams]
-            if not live:
-                break
-            items = []
-            for b in live:
-                if b.output_token_ids:
-                    _allocate(kv, b, 1)  # copy-on-write happens here for a shared last block
-                items.append(ScheduledSeq(b, b.num_uncomputed_tokens, "decode" if b.is_decoding else "prefill"))
-            used = kv.num_blocks - kv.num_free_blocks
-            unshared = sum(len(t) for t in kv.tables.values())  # as if every beam owned its blocks
-            record["steps"].append({"blocks_used": used, "blocks_unshared": unshared, "num_beams": len(live)})
-            if on_step is not None:
-                on_step([list(st.beams) for st in states if not st.done])
-            logits, sampling = engine.runner.execute(items)
-            for item in items:
-                item.seq.num_computed_tokens += item.num_tokens
-            # float32 log-softmax, as transformers does, so rankings agree bit for bit
-            logprobs = torch.log_softmax(logits.to(device="cpu", dtype=torch.float32), dim=-1)
-            row_of = {s.seq_id: r for r, s in enumerate(sampling)}
-            for st in states:
-                if not st.done:
-                    rows = logprobs[[row_of[b.seq_id] for b in st.beams]]
-                    _advance(kv, st, rows, params, eos, early_stopping, engine.config.max_model_len)
+        while not all(st.done for st in states):
+            if engine.step(select_tokens=select_tokens).preempted:
+                raise RuntimeError(
+                    f"beam search ran out of KV blocks ({kv.num_blocks} in all): lower beam_width or max_tokens, "
+                    f"or give the cache more blocks (num_gpu_blocks_override)")
     finally:
-        for st in states:  # free() is idempotent: a sequence without a table releases nothing
-            for b in st.beams + [st.seq]:
-                kv.free(b)
-            st.beams = []
+        sched.abort([b for st in states for b in st.beams + [st.seq]])
         record["cow_copies"] = kv.num_cow_copies - cow0
         steps = record["steps"]
         record["peak_blocks_used"] = max((s["blocks_used"] for s in steps), default=0)
@@ -151,14 +144,7 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
     return outputs
 
 
-def _allocate(kv, seq, num_new, computed=()) -> None:
-    if not kv.allocate_slots(seq, num_new, computed):
-        raise RuntimeError(
-            f"beam search ran out of KV blocks ({kv.num_blocks} in all): lower beam_width or max_tokens, "
-            f"or give the cache more blocks (num_gpu_blocks_override)")
-
-
-def _advance(kv, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, eos: set,
+def _advance(sched, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchParams, eos: set,
              early_stopping, max_model_len: int) -> None:
     """One beam step for one prompt: rank candidates, update finished hypotheses, fork and free."""
     width, lp = params.beam_width, params.length_penalty
@@ -194,8 +180,7 @@ def _advance(kv, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchPar
     chosen = {parent for parent, *_ in running} if not done else set()
     for j, b in enumerate(st.beams):  # free the beams nobody continues (before forking: blocks return)
         if j not in chosen:
-            kv.free(b)
-            b.status = SequenceStatus.FINISHED
+            sched.finish(b, "length" if at_max else "stop")
     if done:
         st.beams, st.done = [], True
         return
@@ -204,9 +189,7 @@ def _advance(kv, st: _PromptState, logprobs: torch.Tensor, params: BeamSearchPar
     for parent, token, val, _ in running:
         p = st.beams[parent]
         if parent in taken:
-            child = p.fork(len(beams), None)
-            kv.fork(p, child)
-            beams.append(child)
+            beams.append(sched.fork(p, len(beams)))
         else:
             taken.add(parent)
             beams.append(p)

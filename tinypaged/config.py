@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +29,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # capacity in tokens (either layout), handy in lessons
     # stage 3
     enable_prefix_caching: bool = False
+    parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
     # stage 4
     scheduler: str = "continuous"  # or "static"
     max_num_seqs: int = 256
@@ -36,7 +38,12 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
-    attention_backend: str = "torch"  # or "triton"
+    attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
+    # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
+    kv_cache_manager: Any = None  # a factory(spec: KVCacheSpec) -> KVCacheManager; None: kv_cache's own
+    scheduling_policy: Any = None  # a schedule_step-like function or a SchedulingPolicy; None: `scheduler`
+    check_invariants: bool | None = None  # the costlier per-step checks; None: on when a plug-in is given
+    history_size: int = 4096  # steps kept in LLMEngine.history (a bounded deque); 0 keeps none
 
     def __post_init__(self) -> None:
         self.verify()
@@ -79,10 +86,18 @@ class EngineConfig:
             bad(f"preemption_mode={self.preemption_mode!r}: use 'recompute' or 'swap'")
         if self.preemption_mode == "swap" and self.kv_cache != "paged":
             bad("preemption_mode='swap' moves blocks, so it needs kv_cache='paged'")
-        if self.attention_backend not in ("torch", "triton"):
-            bad(f"attention_backend={self.attention_backend!r}: use 'torch' or 'triton'")
+        if isinstance(self.attention_backend, str) and self.attention_backend not in ("torch", "triton"):
+            bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'triton', a paged decode function "
+                f"or an AttentionBackend object")
         if self.attention_backend == "triton" and self.kv_cache != "paged":
             bad("attention_backend='triton' reads block tables, so it needs kv_cache='paged'")
+        if self.parallel_sampling not in ("fork", "fanout"):
+            bad(f"parallel_sampling={self.parallel_sampling!r}: use 'fork' (paper / vLLM v0) or 'fanout' (vLLM v1)")
+        if isinstance(self.scheduling_policy, str):
+            bad(f"scheduling_policy={self.scheduling_policy!r}: pass a function or policy object; choose the "
+                f"built-in ones with scheduler='continuous' or 'static'")
+        if self.history_size < 0:
+            bad(f"history_size must be >= 0, got {self.history_size}")
         if self.enable_prefix_caching and self.kv_cache != "paged":
             bad("enable_prefix_caching shares blocks, so it needs kv_cache='paged'")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -91,6 +106,11 @@ class EngineConfig:
                 f"({self.max_num_seqs}): every running sequence needs one token of the step budget. "
                 f"Raise max_num_batched_tokens or lower max_num_seqs."
             )
+
+    @property
+    def has_plugins(self) -> bool:
+        return (self.kv_cache_manager is not None or self.scheduling_policy is not None
+                or not isinstance(self.attention_backend, str))
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model, then check the knobs that relate to it."""

@@ -19,6 +19,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import torch
+
 POLICIES = ("max", "pow2", "oracle")
 
 
@@ -113,9 +115,13 @@ class ContiguousArena:
 
 
 class ContiguousKVManager:
-    """The engine's stage-1 KV manager: one reserved region per sequence, slot = start + position."""
+    """The engine's stage-1 KV manager: one reserved region per sequence, slot = start + position.
 
-    kind = "contiguous"
+    Implements ``tinypaged.interfaces.KVCacheManager`` with blocks of one token. It alone owns the
+    regions (``region(seq)``); it never changes a sequence.
+    """
+
+    block_size = 1
 
     def __init__(self, capacity_tokens: int, policy: str, max_model_len: int):
         if policy not in POLICIES:
@@ -123,52 +129,75 @@ class ContiguousKVManager:
         self.arena = ContiguousArena(capacity_tokens)
         self.policy = policy
         self.max_model_len = max_model_len
+        self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (start, reserved tokens)
         self.live: dict[int, object] = {}
+        self._reserved = 0
+
+    @classmethod
+    def from_spec(cls, spec) -> "ContiguousKVManager":
+        return cls(spec.capacity_tokens, spec.reservation_policy, spec.max_model_len)
 
     @property
     def capacity_tokens(self) -> int:
         return self.arena.capacity
 
+    @property
+    def usage(self) -> float:
+        return self._reserved / self.arena.capacity
+
     def reservation_for(self, seq) -> int:
         return reservation_tokens(self.policy, seq.max_total_tokens(self.max_model_len), self.max_model_len)
 
-    def tokens_needed(self, seq) -> int:
+    def max_tokens_needed(self, seq) -> int:
         return self.reservation_for(seq)
 
-    def allocate_slots(self, seq, num_new_tokens: int) -> bool:
+    def region(self, seq) -> tuple[int, int] | None:
+        return self.regions.get(seq.seq_id)
+
+    def get_computed_blocks(self, seq) -> list:
+        return []  # no prefix caching in stage 1
+
+    def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         """Reserve the region on first call; later calls only check the reservation holds the tokens."""
-        if seq.kv_region is None:
+        region = self.regions.get(seq.seq_id)
+        if region is None:
             size = self.reservation_for(seq)
             start = self.arena.allocate(size, seq)
             if start is None:
                 return False
-            seq.kv_region = (start, size)
+            region = self.regions[seq.seq_id] = (start, size)
             self.live[seq.seq_id] = seq
-        start, size = seq.kv_region
-        if seq.num_computed_tokens + num_new_tokens > size:
-            raise RuntimeError(f"sequence {seq.seq_id} outgrew its contiguous reservation of {size} tokens")
+            self._reserved += size
+        if seq.num_computed_tokens + num_new_tokens > region[1]:
+            raise RuntimeError(f"sequence {seq.seq_id} outgrew its contiguous reservation of {region[1]} tokens")
         return True
 
     def free(self, seq) -> None:
-        if seq.kv_region is not None:
+        region = self.regions.pop(seq.seq_id, None)
+        if region is not None:
             self.arena.free(seq)
-            seq.kv_region = None
             self.live.pop(seq.seq_id, None)
+            self._reserved -= region[1]
 
-    def slot(self, seq, position: int) -> int:
-        return seq.kv_region[0] + position
+    def slot_mapping(self, seq, start: int, end: int) -> list[int]:
+        base = self.regions[seq.seq_id][0]
+        return list(range(base + start, base + end))
+
+    def context_slots(self, seqs, context_len: int) -> torch.Tensor:
+        starts = torch.tensor([self.regions[s.seq_id][0] for s in seqs])
+        return starts[:, None] + torch.arange(context_len)
 
     def stats(self) -> dict:
         used = sum(s.num_computed_tokens for s in self.live.values())  # slots whose K/V are written
-        final = sum(min(s.max_total_tokens(self.max_model_len), s.kv_region[1]) for s in self.live.values())
-        reserved = self.arena.reserved
+        final = sum(min(s.max_total_tokens(self.max_model_len), self.regions[i][1]) for i, s in self.live.items())
+        reserved = self._reserved
         return {
             "kv_capacity_tokens": self.arena.capacity,
             "kv_token_states": used,
             "kv_reserved_tokens": reserved,
             "kv_reservation_waste": final - used,  # held for tokens not generated yet
             "kv_internal_fragmentation": reserved - final,  # held beyond the final length, never used
-            "kv_free_tokens": self.arena.free_tokens,
+            "kv_free_tokens": self.arena.capacity - reserved,
             "kv_largest_hole": self.arena.largest_hole,
-            "kv_cache_usage": reserved / self.arena.capacity,
+            "kv_cache_usage": self.usage,
         }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from collections.abc import Iterator
 from collections.abc import Sequence as SequenceABC
 
@@ -32,6 +33,9 @@ class LLM:
     def _submit(self, prompts, sampling_params, arrival_times) -> list:
         """Tokenize and validate every request, then queue them all (nothing is queued if one is bad)."""
         single = isinstance(prompts, (str, dict))
+        if not single and not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of "
+                            f"them; got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -49,14 +53,23 @@ class LLM:
         return requests
 
     def _steps(self, pending: set[str]):
-        """Step the engine until every request in ``pending`` has finished; yields each StepResult."""
+        """Step the engine until every request in ``pending`` has finished; yields each StepResult.
+
+        If the caller stops early (an exception in a callback, KeyboardInterrupt in a notebook, a
+        stream closed before the end), the requests still pending are aborted: their blocks are
+        freed and the next call computes only its own tokens.
+        """
         engine = self.llm_engine
-        while pending:
-            step = engine.step()
-            pending.difference_update(out.request_id for out in step.finished)
-            yield step
-            if not step.scheduled:
-                _wait_for_next_arrival(engine)
+        try:
+            while pending:
+                step = engine.step()
+                pending.difference_update(out.request_id for out in step.finished)
+                yield step
+                if not step.scheduled:
+                    _wait_for_next_arrival(engine)
+        finally:
+            if pending:
+                engine.abort_request(list(pending))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
@@ -68,12 +81,13 @@ class LLM:
         requests = self._submit(prompts, sampling_params, arrival_times)
         order = {req.request_id: i for i, req in enumerate(requests)}
         results: list[RequestOutput | None] = [None] * len(requests)
-        for step in self._steps(set(order)):
-            if on_step is not None:
-                on_step(step)
-            for out in step.finished:
-                if out.request_id in order:  # requests added through the engine finish here too
-                    results[order[out.request_id]] = out
+        with closing(self._steps(set(order))) as steps:  # closing aborts what is left on any exception
+            for step in steps:
+                if on_step is not None:
+                    on_step(step)
+                for out in step.finished:
+                    if out.request_id in order:  # requests added through the engine finish here too
+                        results[order[out.request_id]] = out
         return results
 
     def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -82,8 +96,13 @@ class LLM:
         as soon as that step is done (the text delta is what a chat UI would append)."""
         requests = self._submit(prompts, sampling_params, arrival_times)
         tok = self.get_tokenizer()
+        with closing(self._steps({req.request_id for req in requests})) as steps:
+            yield from self._stream_pieces(steps, tok)
+
+    @staticmethod
+    def _stream_pieces(steps, tok) -> Iterator[StreamOutput]:
         sent: dict[int, int] = {}  # seq_id -> characters already streamed
-        for step in self._steps({req.request_id for req in requests}):
+        for step in steps:
             for seq in step.sampled:
                 text, settled = _text_so_far(tok, seq)
                 start = sent.get(seq.seq_id, 0)

@@ -1,38 +1,49 @@
 """The engine: requests in, one scheduled step at a time, outputs out.
 
-    add_request() -> [waiting] -> step(): schedule -> run the model -> sample -> check stops -> ...
+    add_request() -> [waiting] -> step(): schedule -> run the model -> sample -> update progress -> outputs
 
 ``step()`` is public so notebooks and tools can watch the engine work one iteration at a time.
+The engine only wires the parts together; each piece of state has one owner (see
+``tinypaged.interfaces`` and docs/ARCHITECTURE.md): the KV manager owns placement, the scheduler
+owns progress, the runner owns the device, the sampler owns token choice and stop checks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
+from tinypaged.attention import make_backend
 from tinypaged.block_manager import BlockManager
 from tinypaged.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from tinypaged.contiguous import ContiguousKVManager
+from tinypaged.interfaces import KV_REQUIRED, POLICY_REQUIRED, KVCacheSpec, require
 from tinypaged.kv_cache import KVCacheTensors, kv_bytes_per_token
 from tinypaged.model import head_dim_of
 from tinypaged.model_loader import eos_token_ids, load_model, load_tokenizer
 from tinypaged.model_runner import ModelRunner
 from tinypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinypaged.sampler import sample
+from tinypaged.sampler import check_stop, sample
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.scheduler import ScheduledSeq, Scheduler
-from tinypaged.sequence import Sequence, SequenceStatus
+from tinypaged.scheduler import ScheduledSeq, Scheduler, make_policy
+from tinypaged.sequence import Sequence
 
 logger = logging.getLogger("tinypaged")
-if not logger.handlers:  # like vLLM: INFO lines on stderr (stdout stays for the user's own output)
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(levelname)s tinypaged: %(message)s"))
-    logger.addHandler(_handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+
+
+def configure_logging() -> None:
+    """Like vLLM: INFO lines on stderr (stdout stays for the user's own output). Done once, when the
+    first engine is built, so importing tinypaged changes no logging set-up."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s tinypaged: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 @dataclass
@@ -42,7 +53,6 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False
 
     @property
     def finished(self) -> bool:
@@ -73,9 +83,12 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        configure_logging()
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
+        # vLLM refuses to start when the device has less free memory than the share it was given
+        self._mem_at_start = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)
@@ -84,14 +97,20 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(config.model)
         self.bytes_per_token = kv_bytes_per_token(hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf), self.dtype)
         self.generator = torch.Generator().manual_seed(config.seed)
-        self._build_kv_cache(hf)
-        self.runner = ModelRunner(self.model, self.kv, self.kv_tensors, self.device, config.attention_backend)
-        self.scheduler = Scheduler(config, self.kv, clock=self.clock, swapper=self.kv_tensors)
+        checking = config.has_plugins if config.check_invariants is None else config.check_invariants
+        backend = make_backend(config.attention_backend, config.block_size)
+        self.runner = ModelRunner(self.model, self.device, backend, checking)
+        self.kv, self.kv_tensors = self._build_kv_cache(hf)
+        self.runner.attach(self.kv, self.kv_tensors)
+        policy = make_policy(config)
+        require(policy, POLICY_REQUIRED, "scheduling_policy")
+        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors)
         self.requests: dict[str, Request] = {}
         self._t0 = time.perf_counter()
         self.counters = {"num_steps": 0, "num_generated_tokens": 0, "num_prefill_tokens": 0,
-                         "num_requests_finished": 0, "num_busy_slot_steps": 0, "num_idle_slot_steps": 0}
-        self.history: list[dict] = []
+                         "num_requests_finished": 0, "num_requests_aborted": 0, "num_busy_slot_steps": 0,
+                         "num_idle_slot_steps": 0}
+        self.history: deque[dict] = deque(maxlen=config.history_size)
 
     # -- construction ----------------------------------------------------------------------
     def _kv_capacity_tokens(self) -> int:
@@ -107,62 +126,61 @@ class LLMEngine:
         return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
 
     def _profile_free_gpu_bytes(self) -> int:
-        """vLLM's sizing: total x utilization - (weights + activation peak of a max-size forward)."""
+        """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
+        activation peak of a max-size forward + memory torch does not track)."""
         c = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        n = c.max_num_batched_tokens
-        hf = self.model.config
-        scratch = KVCacheTensors(hf.num_hidden_layers, n, hf.num_key_value_heads, head_dim_of(hf), self.dtype, self.device)
-        from tinypaged.attention import ForwardContext
-
-        ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        pos = torch.arange(n, device=self.device) % c.max_model_len
-        ctx = ForwardContext(scratch.keys, scratch.values, torch.arange(n, device=self.device))
-        for start in range(0, n, c.max_model_len):  # prefills of at most max_model_len tokens
-            end = min(n, start + c.max_model_len)
-            ctx.prefills.append((start, end, torch.arange(start, end, device=self.device), 0))
-        self.model(ids, pos, ctx, logits_indices=torch.arange(min(n, c.max_num_seqs), device=self.device))
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - scratch.keys.numel() * 2 * scratch.keys.element_size()
-        del scratch, ctx
-        torch.cuda.empty_cache()
-        total = torch.cuda.mem_get_info()[1]
-        available = int(total * c.gpu_memory_utilization) - peak
+        free_start, total = self._mem_at_start
+        requested = int(total * c.gpu_memory_utilization)
+        if free_start < requested:
+            raise ValueError(
+                f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
+                f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
+                f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
+        peak = self.runner.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs)
+        free_now, _ = torch.cuda.mem_get_info(self.device)
+        grown = (total - free_now) - (total - free_start)  # what this process added on the device
+        non_torch = max(0, grown - torch.cuda.memory_reserved(self.device))
+        available = requested - peak - non_torch
         if available <= 0:
             raise ValueError(
                 f"No memory is left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
-                f"of the {total * c.gpu_memory_utilization / 2**30:.2f} GiB allowed; raise gpu_memory_utilization "
-                f"or lower max_num_batched_tokens."
-            )
+                f"(+{non_torch / 2**30:.2f} GiB outside torch) of the {requested / 2**30:.2f} GiB allowed; raise "
+                f"gpu_memory_utilization or lower max_num_batched_tokens.")
         return available
 
-    def _build_kv_cache(self, hf) -> None:
+    def _build_kv_cache(self, hf):
+        """Size the cache, allocate its tensors, then build the KV manager (built-in or a plug-in)."""
         c = self.config
         tokens = self._kv_capacity_tokens()
         layers, kvh, hd = hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf)
-        if c.kv_cache == "contiguous":
-            self.kv = ContiguousKVManager(tokens, c.reservation_policy, c.max_model_len)
-            self.kv_tensors = KVCacheTensors(layers, tokens, kvh, hd, self.dtype, self.device)
-            logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
-                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
-                        c.max_model_len, tokens / c.max_model_len)
-            return
-        num_blocks = tokens // c.block_size
+        paged = c.kv_cache == "paged"
+        block_size = c.block_size if paged else 1
+        num_blocks = tokens // block_size
         if num_blocks < 1:
             raise ValueError(f"The KV cache holds {tokens} tokens, less than one block of {c.block_size}; "
                              f"raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower block_size")
         cpu_blocks = 0
         if c.preemption_mode == "swap":
             cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
-        self.kv_tensors = KVCacheTensors(layers, num_blocks * c.block_size, kvh, hd, self.dtype, self.device,
-                                         block_size=c.block_size, num_cpu_blocks=cpu_blocks)
-        self.kv = BlockManager(num_blocks, c.block_size, c.enable_prefix_caching,
-                               copy_block=self.kv_tensors.copy_block, num_cpu_blocks=cpu_blocks)
-        logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
-                    "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
-                    self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
-                    num_blocks * c.block_size / c.max_model_len)
+        tensors = KVCacheTensors(layers, num_blocks * block_size, kvh, hd, self.dtype, self.device,
+                                 block_size=block_size, num_cpu_blocks=cpu_blocks)
+        spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
+                           cpu_blocks, tensors.copy_block)
+        factory = c.kv_cache_manager or (BlockManager.from_spec if paged else ContiguousKVManager.from_spec)
+        kv = factory(spec)
+        require(kv, KV_REQUIRED, "kv_cache_manager")
+        if self.runner.backend.uses_block_tables:
+            require(kv, ("block_ids",), f"kv_cache_manager (attention_backend {self.runner.backend.name!r} reads block tables)")
+        if paged:
+            logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
+                        "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
+                        self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
+                        num_blocks * c.block_size / c.max_model_len)
+        else:
+            logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
+                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
+                        c.max_model_len, tokens / c.max_model_len)
+        return kv, tensors
 
     # -- tokenizer -------------------------------------------------------------------------
     @property
@@ -193,16 +211,21 @@ class LLMEngine:
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                      arrival_time: float | None = None) -> Request:
         """Tokenize and validate one request without queueing it (generate() checks all first)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Request {request_id}: sampling_params must be a SamplingParams, got {type(params).__name__}")
+        salt = None
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            text, ids = prompt.get("prompt"), _token_ids(request_id, prompt["prompt_token_ids"])
+            salt = prompt.get("cache_salt")
         elif isinstance(prompt, dict) and "prompt" in prompt:
             text, ids = prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            salt = prompt.get("cache_salt")
         else:
             raise ValueError(f"Request {request_id}: a prompt is a string or a dict with 'prompt' or "
-                             f"'prompt_token_ids', got {type(prompt).__name__}")
+                            f"'prompt_token_ids', got {type(prompt).__name__}")
         c = self.config
         if not ids:
             raise ValueError(f"Request {request_id}: the prompt is empty")
@@ -212,121 +235,111 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Request {request_id}: token ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})")
-        if params.n > 1 and c.kv_cache != "paged":
-            raise NotImplementedError(f"Request {request_id}: n={params.n} shares KV blocks, which needs kv_cache='paged'")
+        fork = params.n > 1 and c.parallel_sampling == "fork"
+        if fork and not hasattr(self.kv, "fork"):
+            raise NotImplementedError(f"Request {request_id}: n={params.n} with parallel_sampling='fork' shares "
+                                      f"KV blocks, which needs a KV manager with fork() (kv_cache='paged'); "
+                                      f"or use parallel_sampling='fanout'")
+        if fork and params.n > c.max_num_seqs:
+            raise ValueError(f"Request {request_id}: n={params.n} forked samples can never run together under "
+                             f"max_num_seqs={c.max_num_seqs}; raise max_num_seqs or use parallel_sampling='fanout'")
         req = Request(request_id, text, ids, params)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, ids, params, 0, self.clock() if arrival_time is None else arrival_time, gen)
-        need = self.kv.tokens_needed(seq) if c.kv_cache == "contiguous" else seq.max_total_tokens(c.max_model_len)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        # fork: one sequence now, n - 1 children at its first sample; fanout (vLLM v1): n independent
+        # sequences whose seeds are seed + index, sharing the prompt only through the prefix cache
+        for k in range(1 if fork or params.n == 1 else params.n):
+            gen = torch.Generator().manual_seed(params.seed + k) if params.seed is not None else None
+            req.seqs.append(Sequence(request_id, ids, params, k, arrival, gen, salt))
+        req.seqs[0].pending_forks = params.n - 1 if fork else 0
+        need = self.kv.max_tokens_needed(req.seqs[0])
         if need > self.kv.capacity_tokens:
             raise ValueError(
                 f"Request {request_id} can never fit in the KV cache: it needs up to {need} tokens "
-                f"(prompt {len(ids)} + max_tokens {params.max_tokens}, as reserved by kv_cache={c.kv_cache!r}) "
+                f"(prompt {len(ids)} + max_tokens {params.max_tokens}, as the KV manager reserves them) "
                 f"but the cache holds {self.kv.capacity_tokens}. Lower max_tokens or max_model_len, or give "
                 f"the cache more memory (kv_cache_memory_bytes / gpu_memory_utilization).")
-        req.seqs.append(seq)
         return req
 
     def enqueue(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"Request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
-        self.scheduler.add(req.seqs[0])
+        for seq in req.seqs:
+            self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue one request; a bad one raises ValueError and nothing already running is affected."""
+        """Queue one request; a bad one raises and nothing already running is affected."""
         self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+
+    def abort_request(self, request_ids) -> None:
+        """Stop requests wherever they are (vLLM's ``LLMEngine.abort_request``): their blocks are freed
+        and they leave every queue; unknown or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
+            req = self.requests.pop(rid, None)
+            if req is not None:
+                self.scheduler.abort(req.seqs)
+                self.counters["num_requests_aborted"] += 1
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- one iteration -----------------------------------------------------------------------
-    def step(self) -> StepResult:
-        out = self.scheduler.schedule()
-        step_no = self.counters["num_steps"]
-        result = StepResult(step_no, out.scheduled, {}, out.preempted, [])
+    def step(self, select_tokens=None) -> StepResult:
+        """Schedule, run the model, sample, update progress. ``select_tokens(seqs, logits)`` replaces
+        sampling for callers that choose tokens themselves (beam search); it then owns their progress."""
+        sched = self.scheduler
+        out = sched.schedule()
+        result = StepResult(self.counters["num_steps"], out.scheduled, {}, out.preempted, [])
         if not out.scheduled:
             return result
         logits, sampling = self.runner.execute(out.scheduled)
-        for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
-            if item.kind == "prefill":
-                self.counters["num_prefill_tokens"] += item.num_tokens
-        if sampling:
+        sched.advance(out)
+        self.counters["num_prefill_tokens"] += sum(s.num_tokens for s in out.scheduled if s.kind == "prefill")
+        if sampling and select_tokens is not None:
+            select_tokens(sampling, logits)
+        elif sampling:
             rows, seqs = self._expand_forks(sampling)
-            tokens, logprobs = sample(logits[rows], seqs, self.generator)
-            now = self.clock()
-            for seq, tok, lp in zip(seqs, tokens, logprobs):
-                self._append_token(seq, tok, lp, now)
-                result.new_tokens[seq.seq_id] = tok
-                result.sampled.append(seq)
-            for seq in seqs:
-                if seq.is_finished:
-                    self.scheduler.finish(seq)
-                    req = self.requests.get(seq.request_id)  # gone if a sibling sample just finished it
-                    if req is not None and req.finished:
-                        result.finished.append(self._request_output(req))
-                        self.counters["num_requests_finished"] += 1
+            tokens, logprobs = sample(logits[rows], seqs, self.generator, self.eos_token_ids)
+            done = sched.update_from_output(seqs, tokens, logprobs, self.clock(), self._stop_check)
+            self.counters["num_generated_tokens"] += len(seqs)
+            result.new_tokens = {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
+            result.sampled = seqs
+            for seq in done:
+                req = self.requests.get(seq.request_id)  # gone if a sibling sample just finished it
+                if req is not None and req.finished:
+                    result.finished.append(self._request_output(req))
+                    self.counters["num_requests_finished"] += 1
         self.counters["num_steps"] += 1
         self._record(out, result)
         return result
 
+    def _stop_check(self, seq: Sequence):
+        return check_stop(seq, self.eos_token_ids, self.config.max_model_len, self.detokenize)
+
     def _expand_forks(self, sampling):
-        """A request with n > 1 forks at its first sample: n sequences share the prompt's blocks."""
+        """parallel_sampling="fork" (paper, v0): a request with n > 1 forks at its first sample; the
+        children share the prompt's blocks and sample their first token from the same logits row."""
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             rows.append(i)
             seqs.append(seq)
-            req = self.requests[seq.request_id]
-            if req.params.n > 1 and not req.forked:
-                req.forked = True
+            if seq.pending_forks:
+                req = self.requests[seq.request_id]
                 base = req.params.seed
-                if base is not None:
-                    seq.generator = torch.Generator().manual_seed(base)
-                for k in range(1, req.params.n):
+                for k in range(1, seq.pending_forks + 1):
                     gen = torch.Generator().manual_seed(base + k) if base is not None else None
-                    child = seq.fork(k, gen)
-                    self.kv.fork(seq, child)
+                    child = self.scheduler.fork(seq, k, gen)
                     req.seqs.append(child)
-                    self.scheduler.running.append(child)
                     rows.append(i)
                     seqs.append(child)
+                seq.pending_forks = 0
         return rows, seqs
-
-    def _append_token(self, seq: Sequence, token: int, logprob: float, now: float) -> None:
-        p = seq.params
-        seq.output_token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        seq.times.token_times.append(now)
-        if seq.times.first_token is None:
-            seq.times.first_token = now
-        self.counters["num_generated_tokens"] += 1
-        n_out = len(seq.output_token_ids)
-        reason = None
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                reason, seq.stop_reason = "stop", None
-            elif token in p.stop_token_ids:
-                reason, seq.stop_reason = "stop", token
-            elif p.stop_strings:
-                text = self.detokenize(seq.output_token_ids)
-                hits = [(text.find(s), s) for s in p.stop_strings if s in text]
-                if hits:
-                    at, s = min(hits)
-                    seq.text = text[:at]
-                    reason, seq.stop_reason = "stop", s
-        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.config.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason = reason
-            seq.status = SequenceStatus.FINISHED
-            seq.times.finished = now
 
     def _request_output(self, req: Request) -> RequestOutput:
         outs = []
         for seq in sorted(req.seqs, key=lambda s: s.index):
-            if seq.stop_reason is None or not isinstance(seq.stop_reason, str):
+            if not isinstance(seq.stop_reason, str):  # a stop string already cut seq.text
                 seq.text = self.detokenize(seq.output_token_ids)
             outs.append(CompletionOutput(seq.index, seq.text, list(seq.output_token_ids), seq.cumulative_logprob,
                                          seq.finish_reason, seq.stop_reason))
@@ -338,41 +351,60 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)
 
-    # -- accounting ------------------------------------------------------------------------
+    # -- accounting: O(batch) per step, never O(cache) ------------------------------------------
     def _record(self, out, result) -> None:
         sched = self.scheduler
-        if self.config.scheduler == "static":  # slots of the static batch that did no work this step
+        if self.config.scheduler == "static" and self.config.scheduling_policy is None:
             self.counters["num_busy_slot_steps"] += len(out.scheduled)
-            self.counters["num_idle_slot_steps"] += max(sched.static_batch_size - len(out.scheduled), 0)
+            self.counters["num_idle_slot_steps"] += out.num_idle_slots
+        if self.history.maxlen == 0:
+            return
         self.history.append({
             "step": result.step, "time": self.clock(), "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
             "num_prefill_tokens": sum(s.num_tokens for s in out.scheduled if s.kind == "prefill"),
             "num_decode_tokens": sum(s.num_tokens for s in out.scheduled if s.kind == "decode"),
-            "kv_cache_usage": self.kv.stats()["kv_cache_usage"],
+            "kv_cache_usage": self.kv.usage,
             "num_preemptions": sched.num_preemptions,
             "running": [s.seq.request_id for s in out.scheduled],
         })
 
     def kv_waste_tokens(self) -> int:
         """Slots allocated but holding no token state (paged: the unfilled tail of last blocks)."""
-        if self.config.kv_cache == "contiguous":
+        if isinstance(self.kv, ContiguousKVManager):
             st = self.kv.stats()
             return st["kv_reserved_tokens"] - st["kv_token_states"]
+        if not hasattr(self.kv, "block_ids"):
+            return 0
         fill: dict[int, int] = {}
-        bs = self.config.block_size
+        bs = self.kv.block_size
         for seq in self.scheduler.running:
-            for i, b in enumerate(seq.block_table):
+            for i, b in enumerate(self.kv.block_ids(seq)):
                 fill[b] = max(fill.get(b, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
         return len(fill) * bs - sum(fill.values())
 
     def get_metrics(self) -> dict:
+        """Counters, queue sizes and the KV manager's statistics (computed on demand)."""
         m = dict(self.counters)
         m["num_preemptions"] = self.scheduler.num_preemptions
         m["num_running"] = len(self.scheduler.running)
-        m["num_waiting"] = len(self.scheduler.waiting)
-        m.update(self.kv.stats())
+        m["num_waiting"] = len(self.scheduler.waiting) + sum(len(g) for g in self.scheduler.swapped)
+        m["kv_cache_usage"] = self.kv.usage
+        if hasattr(self.kv, "stats"):
+            m.update(self.kv.stats())
         m["kv_waste_tokens"] = self.kv_waste_tokens()
         slots = m["num_busy_slot_steps"] + m["num_idle_slot_steps"]
         m["idle_slot_fraction"] = m["num_idle_slot_steps"] / slots if slots else 0.0
         return m
+
+
+def _token_ids(request_id: str, ids) -> list[int]:
+    """Prompt token ids must be integers (a float would be silently truncated otherwise)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"Request {request_id}: prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+    if wrong:
+        raise TypeError(f"Request {request_id}: prompt_token_ids must be integers, got {wrong[0]!r} "
+                        f"({type(wrong[0]).__name__})")
+    return ids

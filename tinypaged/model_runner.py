@@ -1,35 +1,53 @@
-"""Runs one engine step through the model: flatten the scheduled tokens, build the attention
-context (slots of new tokens, slots of every sequence's context), forward, and return logits."""
+"""The model runner owns the device: the KV tensors, memory profiling, and one forward per step.
+
+Per step it flattens the scheduled tokens, asks the KV manager where each new token's keys and
+values go (``slot_mapping``) and where every sequence's context lives (block tables or context
+slots), builds the attention context, runs the model and returns the logits of the sequences that
+sample. ``check_slots`` enforces the KV manager's contract before anything is written.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from tinypaged.attention import ForwardContext, contiguous_context_slots, paged_context_slots
+from tinypaged.attention import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.block_manager import blocks_needed
+from tinypaged.interfaces import InvariantError
 
 
 class ModelRunner:
-    def __init__(self, model, kv_manager, kv_tensors, device, backend: str = "torch"):
+    def __init__(self, model, device, backend, check_invariants: bool = False):
         self.model = model
-        self.kv = kv_manager
-        self.tensors = kv_tensors
         self.device = device
         self.backend = backend
+        self.check_invariants = check_invariants  # the costlier cross-sequence check (on for plug-ins)
+        self.kv = self.tensors = None
+        self.capacity = 0
 
-    def _context_slots(self, seqs, context_len: int) -> torch.Tensor:
-        if self.kv.kind == "paged":
-            tables = self.block_tables(seqs, context_len)
-            return paged_context_slots(tables, context_len, self.kv.block_size)
-        starts = torch.tensor([s.kv_region[0] for s in seqs], device=self.device)
-        return contiguous_context_slots(starts, context_len)
+    def attach(self, kv_manager, kv_tensors) -> None:
+        """The KV cache, once it is sized (profiling runs before it exists)."""
+        self.kv, self.tensors, self.capacity = kv_manager, kv_tensors, kv_tensors.num_slots
 
+    # -- where the context lives -----------------------------------------------------------
     def block_tables(self, seqs, context_len: int) -> torch.Tensor:
         width = max(1, blocks_needed(context_len, self.kv.block_size))
-        rows = [s.block_table[:width] + [0] * (width - len(s.block_table[:width])) for s in seqs]
+        rows = []
+        for s in seqs:
+            ids = self.kv.block_ids(s)[:width]
+            rows.append(ids + [0] * (width - len(ids)))
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
-    def prepare(self, scheduled) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int], list]:
+    def context_slots(self, seqs, context_len: int) -> torch.Tensor:
+        """[len(seqs), context_len] slot of every key position (the manager's fast path if it has one)."""
+        if hasattr(self.kv, "context_slots"):
+            return self.kv.context_slots(seqs, context_len).to(self.device)
+        if hasattr(self.kv, "block_ids"):
+            return paged_context_slots(self.block_tables(seqs, context_len), context_len, self.kv.block_size)
+        rows = [self.kv.slot_mapping(s, 0, context_len) for s in seqs]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    # -- one step ----------------------------------------------------------------------------
+    def prepare(self, scheduled):
         input_ids, positions, slots = [], [], []
         decode_rows, decode_seqs, prefills = [], [], []
         logits_rows, sampling = [], []
@@ -39,7 +57,7 @@ class ModelRunner:
             row0 = len(input_ids)
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(self.kv.slot(seq, p) for p in range(start, start + n))
+            slots.extend(self.kv.slot_mapping(seq, start, start + n))
             if item.kind == "decode":
                 decode_rows.append(row0)
                 decode_seqs.append(seq)
@@ -49,30 +67,88 @@ class ModelRunner:
                 logits_rows.append(row0 + n - 1)
                 sampling.append(seq)
         dev = self.device
-        ctx = ForwardContext(
-            keys=self.tensors.keys, values=self.tensors.values,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            backend=self.backend, block_size=getattr(self.kv, "block_size", 1),
-        )
+        ctx = ForwardContext(self.tensors.keys, self.tensors.values,
+                             torch.tensor(slots, dtype=torch.long, device=dev), self.backend)
         if decode_seqs:
             lens = [s.num_computed_tokens + 1 for s in decode_seqs]
-            ctx.decode_rows = torch.tensor(decode_rows, device=dev)
-            ctx.decode_lens = torch.tensor(lens, device=dev)
-            if self.backend == "triton":
-                ctx.decode_block_tables = self.block_tables(decode_seqs, max(lens))
+            ctx.decode = DecodeBatch(torch.tensor(decode_rows, device=dev), torch.tensor(lens, device=dev),
+                                     self.kv.block_size)
+            if self.backend.uses_block_tables:
+                ctx.decode.block_tables = self.block_tables(decode_seqs, max(lens))
             else:
-                ctx.decode_slots = self._context_slots(decode_seqs, max(lens))
+                ctx.decode.context_slots = self.context_slots(decode_seqs, max(lens))
         for row0, row1, seq, start in prefills:
-            ctx.prefills.append((row0, row1, self._context_slots([seq], start + row1 - row0)[0], start))
+            ctx.prefills.append((row0, row1, self.context_slots([seq], start + row1 - row0)[0], start))
+        self.check_slots(ctx, scheduled)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, ctx, logits_rows, sampling
 
+    def check_slots(self, ctx: ForwardContext, scheduled) -> None:
+        """The KV manager's contract, checked before the forward writes anything: every new token gets
+        its own slot inside the cache, and (for plug-ins) no slot another sequence has cached."""
+        writes = ctx.slot_mapping
+        if writes.numel() == 0:
+            return
+        if int(writes.min()) < 0 or int(writes.max()) >= self.capacity:
+            raise InvariantError(f"the KV manager mapped a token to slot {int(writes.min()) if int(writes.min()) < 0 else int(writes.max())}, "
+                                 f"outside the cache's {self.capacity} slots")
+        if torch.unique(writes).numel() != writes.numel():
+            raise InvariantError("the KV manager gave two new tokens of this step the same slot "
+                                 "(a block handed out twice?)")
+        if not self.check_invariants:
+            return
+        cached = [self.context_slots([it.seq], it.seq.num_computed_tokens)[0]
+                  for it in scheduled if it.seq.num_computed_tokens]
+        if cached:
+            clash = torch.isin(writes, torch.cat(cached))
+            if bool(clash.any()):
+                raise InvariantError(f"this step would overwrite slot {int(writes[clash][0])}, which holds "
+                                     f"another token's cached keys (a block handed out twice, or a shared "
+                                     f"block written without copy-on-write)")
+
     def execute(self, scheduled):
         """Forward the scheduled tokens; returns (logits of sampling sequences [N, vocab], those sequences)."""
         ids, pos, ctx, rows, sampling = self.prepare(scheduled)
-        if not rows:
-            self.model(ids, pos, ctx, logits_indices=torch.tensor([], dtype=torch.long, device=self.device))
-            return None, []
-        logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, device=self.device))
-        return logits, sampling
+        logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))
+        return (logits, sampling) if rows else (None, [])
+
+    # -- memory profiling (CUDA) ------------------------------------------------------------
+    def profile_peak_bytes(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
+        """Peak memory torch allocates for weights plus one forward of ``max_num_batched_tokens`` tokens
+        (prompts of at most ``max_model_len``), the KV cache excluded: vLLM's profiling run. It goes
+        through ``prepare`` with a throw-away contiguous cache, like any step."""
+        from tinypaged.contiguous import ContiguousKVManager
+        from tinypaged.kv_cache import KVCacheTensors
+        from tinypaged.sampling_params import SamplingParams
+        from tinypaged.scheduler import ScheduledSeq
+        from tinypaged.sequence import Sequence
+
+        from tinypaged.model import head_dim_of
+
+        n = max_num_batched_tokens
+        hf = self.model.config
+        dtype = next(self.model.parameters()).dtype
+        sizes = [min(max_model_len, n - start) for start in range(0, n, max_model_len)]  # prompts <= max_model_len
+        slots = n + len(sizes)  # "oracle" reserves prompt + 1 token each
+        scratch = KVCacheTensors(hf.num_hidden_layers, slots, hf.num_key_value_heads, head_dim_of(hf), dtype, self.device)
+        kv = ContiguousKVManager(slots, "oracle", max_model_len)
+        batch = []
+        for size in sizes:
+            seq = Sequence("profile", [0] * size, SamplingParams(max_tokens=1))
+            kv.allocate_slots(seq, size)
+            batch.append(ScheduledSeq(seq, size, "prefill"))
+        saved = self.kv, self.tensors, self.capacity, self.check_invariants
+        self.kv, self.tensors, self.capacity, self.check_invariants = kv, scratch, slots, False
+        try:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            ids, pos, ctx, rows, _ = self.prepare(batch)
+            self.model(ids, pos, ctx, logits_indices=torch.arange(min(n, max_num_seqs), device=self.device))
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - scratch.keys.numel() * 2 * scratch.keys.element_size()
+        finally:
+            self.kv, self.tensors, self.capacity, self.check_invariants = saved
+            del scratch
+            torch.cuda.empty_cache()
+        return peak

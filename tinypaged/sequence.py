@@ -37,8 +37,9 @@ class Sequence:
     there to the end still have to run through the model (the whole prompt at first, one token
     per decode step, everything again after a recompute preemption).
 
-    Placement is written by the KV-cache manager only: ``block_table`` (paged) or ``kv_region``
-    (contiguous: ``(start, reserved_tokens)``).
+    The scheduler owns progress (``num_computed_tokens``, appended tokens, status); where the
+    keys and values live is the KV-cache manager's business (``kv.block_ids(seq)``), not the
+    sequence's.
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class Sequence:
         index: int = 0,
         arrival_time: float = 0.0,
         generator: torch.Generator | None = None,
+        extra_keys=None,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -60,12 +62,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit of the latest admission
-        self.block_table: list[int] = []
-        self.kv_region: tuple[int, int] | None = None
+        self.extra_keys = extra_keys  # mixed into prefix hashes (vLLM: cache_salt, LoRA id, ...)
+        self.pending_forks = 0  # n > 1 with parallel_sampling="fork": children still to fork
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.text = ""
+        self.stop_search_from = 0  # characters of text already searched for stop strings
         self.times = SequenceTimes(arrival=arrival_time)
         self.num_preemptions = 0
 
@@ -99,14 +102,23 @@ class Sequence:
         cap = max_model_len if self.params.max_tokens is None else len(self.prompt_token_ids) + self.params.max_tokens
         return min(cap, max_model_len)
 
+    def append_token(self, token: int, logprob: float, now: float) -> None:
+        self.output_token_ids.append(token)
+        self.cumulative_logprob += logprob
+        self.times.token_times.append(now)
+        if self.times.first_token is None:
+            self.times.first_token = now
+
     def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
         """A child with the same tokens and progress (its KV blocks are shared by the block manager)."""
-        child = Sequence(self.request_id, self.prompt_token_ids, self.params, index, self.times.arrival, generator)
+        child = Sequence(self.request_id, self.prompt_token_ids, self.params, index, self.times.arrival, generator,
+                         self.extra_keys)
         child.output_token_ids = list(self.output_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         child.cumulative_logprob = self.cumulative_logprob
         child.times.first_scheduled = self.times.first_scheduled
+        child.stop_search_from = self.stop_search_from
         return child
 
     def __repr__(self) -> str:

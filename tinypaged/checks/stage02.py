@@ -9,6 +9,7 @@ References: :class:`BlockAllocator` and :class:`BlockTables` below (small versio
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import torch
 
@@ -19,22 +20,33 @@ from tinypaged.checks._util import raises, rng
 
 
 class BlockAllocator:
-    """Reference allocator: block ids from a FIFO free queue (tinypaged's BlockPool, without hashes)."""
+    """Reference allocator: block ids from a FIFO free queue. (Stage 2 has no prefix cache; the engine's
+    ``BlockPool`` adds hashes, and puts freed blocks without one at the head.)"""
 
     def __init__(self, num_blocks: int):
-        self.pool = BlockPool(num_blocks)
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.queue = deque(range(num_blocks))
+        self.is_free = [True] * num_blocks
 
     @property
     def num_free(self) -> int:
-        return self.pool.num_free
+        return len(self.queue)
 
     def allocate(self) -> int:
         """The id at the head of the free queue; raises when none is free."""
-        return self.pool.allocate().block_id
+        if not self.queue:
+            raise RuntimeError("no free KV blocks")
+        block = self.queue.popleft()
+        self.is_free[block] = False
+        return block
 
     def free(self, block_id: int) -> None:
         """Back to the tail of the free queue; freeing a free block raises."""
-        self.pool.release([self.pool.blocks[block_id]])
+        if self.is_free[block_id]:
+            raise RuntimeError(f"double free of block {block_id}")
+        self.is_free[block_id] = True
+        self.queue.append(block_id)
 
 
 class BlockTables:
