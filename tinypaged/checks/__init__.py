@@ -471,13 +471,16 @@ def _emit(record: dict) -> None:
 def check(name: str, impl, hidden: int | None = None) -> None:
     """Run one check and print its one-line verdict (``evaluate`` returns it instead).
 
-    In grading mode the observed steps are also displayed as a record for the grader.
+    In grading mode the kernel only observes: it displays the record for the grader, which computes the
+    expected results and the verdict in its own process (so nothing is judged twice).
     """
     c = get(name)
-    record = observe(c, impl, hidden)
-    verdict = judge(c, record, hidden)
     what = f"check {name}" + (" (hidden cases)" if hidden is not None else "")
+    record = observe(c, impl, hidden)
+    if grading():
+        print(f"{what}: observed {len(record['outcomes'])} case(s) for the grader")
+        _emit(record)
+        return
+    verdict = judge(c, record, hidden)
     msg = verdict["message"]
     print(f"{what}: {verdict['status']}" + (f" - {msg}" if msg and msg != TODO else ""))
-    if grading():
-        _emit(record)

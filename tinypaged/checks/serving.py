@@ -19,16 +19,25 @@ MODEL = "smollm2-135m"
 
 
 @functools.lru_cache(maxsize=None)
-def hf_greedy(prompts: tuple[str, ...], max_tokens: int) -> tuple[tuple[int, ...], ...]:
-    """transformers' greedy continuation of each prompt (all ``max_tokens`` steps: EOS does not stop it)."""
+def _hf_model():
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM
 
     from tinypaged.model_loader import load_tokenizer, smollm2_folder
 
+    transformers.utils.logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # like ignore_eos: run every step, suppress nothing
-    tok = load_tokenizer(MODEL)
+    return hf, load_tokenizer(MODEL)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(prompts: tuple[str, ...], max_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """transformers' greedy continuation of each prompt (all ``max_tokens`` steps: EOS does not stop it)."""
+    import torch
+
+    hf, tok = _hf_model()
     out = []
     with torch.no_grad():
         for p in prompts:

@@ -12,6 +12,7 @@ import random
 from tinypaged import contiguous
 from tinypaged.checks import Case, register
 from tinypaged.checks._util import raised, raises, rng
+from tinypaged.checks.serving import serving_check
 
 
 # ---------------------------------------------------------------- reservation_tokens
@@ -258,3 +259,16 @@ def cases_contiguous_allocator(hidden):
             Case("random workout", _workout(7, 60, 160), weight=2),
         ]
     return [Case(f"random workout {k}", _workout(hidden * 31 + k, 80, 200 + 50 * k), weight=2) for k in range(3)]
+
+
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _regions_released(llm, outs) -> bool:
+    return llm.llm_engine.kv.usage == 0
+
+
+serving_check("01", "serve_contiguous", prompts=("The capital of France is", "def fibonacci(n):"), max_tokens=8,
+              engine_kwargs=dict(kv_cache="contiguous", reservation_policy="pow2", kv_cache_tokens=256,
+                                 max_model_len=64, max_num_seqs=2, dtype="float32", device="cpu"),
+              facts=[("every region was released at the end (usage 0)", _regions_released)],
+              uses=("reservation_tokens", "free_holes", "first_fit", "ContiguousAllocator"))

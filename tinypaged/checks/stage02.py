@@ -17,6 +17,7 @@ from tinypaged import attention
 from tinypaged.block_manager import BlockManager, BlockPool, blocks_needed
 from tinypaged.checks import Case, register
 from tinypaged.checks._util import raises, rng
+from tinypaged.checks.serving import serving_check
 
 
 class BlockAllocator:
@@ -127,7 +128,7 @@ def cases_block_allocator(hidden):
 # ---------------------------------------------------------------- slot_mapping
 
 @register("02", "slot_mapping", reference=lambda: attention.slot_mapping, points=1,
-          forbidden=lambda: [attention.slot_mapping, attention.paged_context_slots, BlockManager.slot])
+          forbidden=lambda: [attention.slot_mapping, attention.paged_context_slots, BlockManager])
 def cases_slot_mapping(hidden):
     def one(table, positions, bs, label, hint=""):
         return Case(label, lambda f, t: t(f"block table {table}, block_size {bs}, positions {positions}",
@@ -191,7 +192,7 @@ def _tables_workout(seed: int, steps: int):
 
 
 @register("02", "BlockTables", reference=lambda: BlockTables, points=3, name="block_tables",
-          forbidden=lambda: [BlockTables, BlockManager])  # not BlockPool: the check's allocator is built on it
+          forbidden=lambda: [BlockTables, BlockManager, BlockPool])
 def cases_block_tables(hidden):
     def grow(cls, t):
         alloc = BlockAllocator(6)
@@ -294,3 +295,18 @@ def cases_paged_attention(hidden):
                                        "only the first seq_lens[s] tokens count", tol=1e-9)
 
     return [one(i, *s) for i, s in enumerate(shapes)]
+
+
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _blocks_back(llm, outs) -> bool:
+    kv = llm.llm_engine.kv
+    return kv.usage == 0
+
+
+serving_check("02", "serve_paged", prompts=("Once upon a time", "Paged attention splits the cache into blocks of"),
+              max_tokens=8,
+              engine_kwargs=dict(block_size=4, num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=2,
+                                 dtype="float32", device="cpu"),
+              facts=[("every block was back in the free queue at the end", _blocks_back)],
+              uses=("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"))

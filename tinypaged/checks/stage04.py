@@ -13,6 +13,7 @@ from tinypaged import scheduler
 from tinypaged.block_manager import blocks_needed
 from tinypaged.checks import Case, register
 from tinypaged.checks._util import rng
+from tinypaged.checks.serving import serving_check
 from tinypaged.scheduler import BlockCounter, PlanRequest
 
 
@@ -62,7 +63,7 @@ def _random_cases(seed: int, n: int, label: str) -> Case:
 
 
 @register("04", "schedule_step", reference=lambda: scheduler.schedule_step, points=5,
-          forbidden=lambda: [scheduler.schedule_step, scheduler.Scheduler._schedule_continuous])
+          forbidden=lambda: [scheduler.schedule_step, scheduler.pick_victim])
 def cases_schedule_step(hidden):
     def big(held=None):
         return lambda: BlockCounter(1000, 16, held)  # never runs out
@@ -88,3 +89,19 @@ def cases_schedule_step(hidden):
         _case("budget 0 left", [_R("a", 5), b], [x], 5, 8, big({"a": 1, "b": 2}), "stop when the budget is spent"),
         _random_cases(4, 200, "random steps"),
     ]
+
+
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _preempted(llm, outs) -> bool:
+    return llm.get_metrics()["num_preemptions"] > 0
+
+
+serving_check("04", "serve_policy",
+              prompts=("The capital of France is", "Once upon a time", "def fibonacci(n):",
+                       "Water boils at a temperature of"),
+              max_tokens=8,
+              engine_kwargs=dict(block_size=4, num_gpu_blocks_override=10, max_model_len=64, max_num_seqs=4,
+                                 max_num_batched_tokens=8, dtype="float32", device="cpu"),
+              facts=[("the cache ran out and a request was preempted", _preempted)],
+              uses=("schedule_step",))

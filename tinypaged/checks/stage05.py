@@ -14,6 +14,7 @@ import torch
 
 from tinypaged.checks import Case, register
 from tinypaged.checks._util import rng
+from tinypaged.checks.serving import serving_check
 
 
 def _k():
@@ -185,3 +186,18 @@ def cases_reshape_and_cache(hidden):
     r = rng(hidden, 54)
     return [one("random slots", hidden, r.randint(1, 12), 4, r.choice([4, 8]), r.choice([1, 2, 3]), 8,
                 pad=(0,))]
+
+
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _split(llm, outs) -> bool:
+    backend = llm.llm_engine.runner.backend
+    return getattr(backend, "num_split_calls", 0) > 0
+
+
+serving_check("05", "serve_kernels", prompts=("The capital of France is",), max_tokens=6,
+              engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=32, max_num_seqs=1,
+                                 dtype="float32", device="auto"),
+              facts=[("some decode steps ran split-K", _split)],
+              uses=("online_softmax_update", "paged_attention_kernel", "paged_attention", "merge_splits_kernel",
+                    "merge_splits", "reshape_and_cache_kernel", "reshape_and_cache"))
