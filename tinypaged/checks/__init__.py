@@ -425,11 +425,15 @@ def compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str]:
 def judge(check: Check, record, hidden: int | None = None) -> dict:
     """Score a record against the expected outcomes: weight passed, weight in all, first failure, reuse."""
     cases = check.cases(hidden)
-    expected = expected_outcomes(check.name, hidden)
     got = record.get("outcomes") if isinstance(record, dict) else None
     got = got if isinstance(got, list) else []
-    results = [compare_case(want, got[i] if i < len(got) else None, case.tol)
-               for i, (case, want) in enumerate(zip(cases, expected))]
+    if len(got) == len(cases) and all(isinstance(g, dict) and g.get("todo") is True and not g.get("steps")
+                                      for g in got):
+        results = [(False, True, TODO)] * len(cases)  # nothing to compare: skip computing the expectations
+    else:
+        expected = expected_outcomes(check.name, hidden)
+        results = [compare_case(want, got[i] if i < len(got) else None, case.tol)
+                   for i, (case, want) in enumerate(zip(cases, expected))]
     total = sum(c.weight for c in cases)
     passed = sum(c.weight for c, (ok, _, _) in zip(cases, results) if ok)
     todo = bool(results) and all(t for _, t, _ in results)
