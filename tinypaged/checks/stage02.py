@@ -125,6 +125,47 @@ def cases_block_allocator(hidden):
             for k in range(3)]
 
 
+# ---------------------------------------------------------------- allocate_for (the lesson's function form)
+
+def allocate_for(table: list[int], num_tokens: int, block_size: int, allocator) -> bool:
+    """Reference: grow ``table`` to hold ``num_tokens`` tokens, one block at a time, or change nothing."""
+    need = blocks_needed(num_tokens, block_size) - len(table)
+    if need > allocator.num_free:
+        return False
+    for _ in range(max(need, 0)):
+        table.append(allocator.allocate())
+    return True
+
+
+@register("02", "allocate_for", reference=lambda: allocate_for, points=1,
+          forbidden=lambda: [allocate_for, BlockTables, BlockManager])
+def cases_allocate_for(hidden):
+    """The function form of ``BlockTables.allocate_slots`` (not in the assignment; kept for the tests)."""
+
+    def basic(fn, t):
+        alloc, table, other = BlockAllocator(6), [], []
+        t("allocate_for([], 1, 4): the result and the table", [fn(table, 1, 4, alloc), list(table)])
+        t("4 tokens still fit one block", [fn(table, 4, 4, alloc), list(table)])
+        t("the 5th token needs a second block", [fn(table, 5, 4, alloc), list(table)])
+        t("another table of 9 tokens", [fn(other, 9, 4, alloc), list(other)])
+        t("16 tokens need 2 more blocks, 1 is free: the result, the table, num_free",
+          [fn(table, 16, 4, alloc), list(table), alloc.num_free])
+
+    def randoms(seed):
+        def run(fn, t):
+            r = random.Random(seed)
+            for bs in (1, 3, 16):
+                alloc, table, n = BlockAllocator(40), [], 0
+                for _ in range(12):
+                    n += r.randint(0, 7)
+                    t(f"block_size {bs}: grow to {n} tokens", [fn(table, n, bs, alloc), list(table), alloc.num_free])
+        return run
+
+    if hidden is None:
+        return [Case("growing", basic, "all or nothing: check before you allocate"), Case("random", randoms(0))]
+    return [Case("random", randoms(hidden), weight=2)]
+
+
 # ---------------------------------------------------------------- slot_mapping
 
 @register("02", "slot_mapping", reference=lambda: attention.slot_mapping, points=1,

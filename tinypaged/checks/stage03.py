@@ -138,7 +138,7 @@ class _Allocator:
 
 # ---------------------------------------------------------------- fork
 
-@register("03", "fork", reference=lambda: fork, points=1, forbidden=lambda: [fork, BlockManager])
+@register("03", "fork", reference=lambda: fork, points=1, forbidden=lambda: [fork, BlockManager], name="fork_table")
 def cases_fork(hidden):
     def basic(f, t):
         refs = {3: 1, 7: 1, 1: 2}
