@@ -98,7 +98,9 @@ class TorchBackend:
         value_cache[slots] = value[keep]
 
     def decode(self, query, key_cache, value_cache, batch: DecodeBatch, scale: float) -> torch.Tensor:
-        slots = batch.context_slots
+        # padding past a short context may run off the cache's end (a contiguous region near the end of
+        # the arena): clamp it in range; those keys are masked out anyway
+        slots = batch.context_slots.clamp(max=key_cache.shape[0] - 1)
         positions = (batch.context_lens - 1)[:, None]
         return attend_gathered(query[:, None], key_cache[slots], value_cache[slots], positions,
                                batch.context_lens, scale)[:, 0]

@@ -189,9 +189,11 @@ class Scheduler:
         return seq.times.arrival <= self.clock()
 
     def schedule(self) -> SchedulerOutput:
+        # read before the policy runs: a request arriving while it runs was not there to be scheduled
+        head_arrived = bool(self.waiting) and self.arrived(self.waiting[0])
         out = self.policy.schedule(self)
         check_schedule(out, self)
-        if not out.scheduled and not self.running and (self.swapped or self.waiting and self.arrived(self.waiting[0])):
+        if not out.scheduled and not self.running and (self.swapped or head_arrived):
             head = self.swapped[0][0] if self.swapped else self.waiting[0]
             raise InvariantError(f"the scheduler made no progress: nothing runs, yet request {head.request_id} "
                                  f"({head.num_uncomputed_tokens} tokens to compute) could not be scheduled; the "

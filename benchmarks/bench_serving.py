@@ -1,0 +1,250 @@
+"""Stage 6 benchmark: serving under load, every system side by side, the simulator checked against
+the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
+
+    python benchmarks/bench_serving.py                 # about 6-8 minutes on a 2-core CPU
+    python benchmarks/bench_serving.py --quick         # about 2 minutes
+    python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
+
+Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock through the real engine,
+  for five systems at equal KV memory, equal max_num_seqs and the same model: static batching with
+  contiguous Max reservation; continuous batching with contiguous Max / Pow2 / Oracle reservation
+  (the paper's Orca baselines); continuous batching over paged KV (vLLM). Lengths follow the
+  paper's ShareGPT and Alpaca statistics scaled down to fit a CPU, and the 2048-token cap and the
+  paper's KV budget (15.7K token slots, OPT-13B on an A100-40GB) are scaled by the same factor, so
+  each reservation policy fits as many requests at once as it did in the paper. The rates come from
+  a step-time model fitted on this machine first (a closed-loop run of other requests): the
+  simulator's predicted knees of Orca (Max) and vLLM, one rate below and one beyond.
+Part 2, the simulator against the engine: at three rates, a real-time vLLM run between two
+  calibration runs of other requests at the same rate; the simulator, with the model fitted on those,
+  predicts the run's mean normalized latency (same requests, same arrival times), printed next to the
+  measurement. The other systems are checked against their Part-1 runs with the same models.
+Part 3, the paper's scale: the same systems simulated with a roofline cost model of OPT-13B (fp16)
+  on one A100-40GB and the paper's KV budget: normalized latency against request rate (Figure 12),
+  the highest rate each system sustains under a latency threshold, and requests batched at once
+  (Figure 13), next to the paper's figures.
+
+With ``--engine vllm`` the Part-1 experiment runs on vLLM itself (paged KV only) where vLLM is
+installed, and prints the same table; elsewhere it says why it is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
+                               rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
+                               sustainable_rate, system_config, vllm_available, with_rate)
+from tinypaged.simulator import (OPT13B_A100, LinearCostModel, calibration_steps, check_against, knee_rates,
+                                 paper_setup, sweep, validate)
+from tinypaged.workloads import summarize
+
+THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
+
+# Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
+# Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
+# rates, the other systems' rates.
+DATASETS = {
+    "sharegpt": dict(scale=1 / 8, paper_seconds=300, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
+                     paper_rates=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8]),
+    "alpaca": dict(scale=1 / 2, paper_seconds=30, slow_rates=[1, 2, 3, 5],
+                   paper_rates=[5, 10, 25, 50, 75, 100, 150, 200, 250, 300]),
+}
+
+
+def say(*a):
+    print(*a, flush=True)
+
+
+def threshold_of(latencies_at_lowest_rate: float) -> float:
+    return THRESHOLD_FACTOR * latencies_at_lowest_rate
+
+
+def ratio_lines(sustained: dict[str, float]) -> list[str]:
+    lines = []
+    for s, r in rate_ratios(sustained).items():
+        paper = PAPER_RATE_RATIOS.get(s)
+        ref = f"  (paper, ShareGPT: {paper[0]}-{paper[1]}x)" if paper else ""
+        val = "inf (it sustains none of the rates)" if r == float("inf") else f"{r:.2f}x"
+        lines.append(f"  vLLM / {get_system(s).label}: {val}{ref}")
+    return lines
+
+
+# -- parts 1 and 2 ---------------------------------------------------------------------------------------
+def realtime(args, dataset):
+    """Part 1 and Part 2 on one dataset: calibrate, pick the rates, replay every system, validate."""
+    from tinypaged import LLM
+
+    cfg = DATASETS[dataset]
+    scale = cfg["scale"]
+    common = paper_setup(scale, max_num_seqs=args.max_num_seqs)
+    trace = serving_trace(dataset, args.requests, None, seed=0, scale=scale)
+    calibration = serving_trace(dataset, args.requests, None, seed=1, scale=scale)
+    s = summarize(trace)
+    say(f"\n== Part 1 ({dataset}): real-time replay on {args.model!r} ({args.device}), {args.requests} requests ==")
+    say(f"Lengths x{scale:g} (mean input {s['mean_input']:.1f}, output {s['mean_output']:.1f}, longest "
+        f"{s['max_total']}); max_model_len {common['max_model_len']} (2048 x{scale:g}); KV cache "
+        f"{common['kv_cache_tokens']} tokens for every system (15.7K x{scale:g}); max_num_seqs {args.max_num_seqs}; "
+        f"block 16; output lengths forced; Poisson arrivals.")
+    with quiet(), shared_weights():
+        llm = LLM(args.model, device=args.device, dtype="float32", seed=0, **system_config("vllm", **common))
+        replay(llm, with_rate(calibration[:4], 1000.0), "vllm")
+        before = calibration_steps(llm, calibration)
+        model = LinearCostModel.fit(before)
+    say(f"Step-time model fitted on a closed-loop run of {len(calibration)} other requests: {model.describe()}")
+    if args.rates:
+        rates = sorted(args.rates)
+    else:  # from Orca (Max)'s predicted knee to vLLM's, plus one rate below and one above
+        knees = knee_rates(model, trace, num=4, **common)
+        rates = sorted({round(knees[0] / 2, 1), *knees, round(knees[-1] * 1.4, 1)})
+    say(f"Rates (req/s): {rates} (the calibrated simulator's knees of Orca (Max) and vLLM, and beyond)")
+    exp = serve_systems(args.model, trace, common, rates=rates, device=args.device, log=say)
+    with quiet(), shared_weights():  # a second calibration run brackets the real-time runs in time
+        model = LinearCostModel.fit(before + calibration_steps(llm, calibration))
+    say(f"Refitted on that run and a second one after the real-time runs: {model.describe()}")
+    say("\nAll requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
+        f"{get_system(n).label} {len(exp.runs[(n, None)].steps)} steps / largest batch "
+        f"{max(st.num_seqs for st in exp.runs[(n, None)].steps)}" for n in SYSTEM_NAMES))
+    say("\n" + serving_table({k: v for k, v in exp.runs.items() if k[1] is not None}))
+    predicted = sweep(trace, model, rates, SYSTEM_NAMES, **common)
+    idle = sweep(trace, model, [rates[0] / 4], ["vllm"], **common).latency["vllm"][0]
+    th = threshold_of(idle)
+    sustained = {n: sustainable_rate(rates, exp.latency(n), th) for n in SYSTEM_NAMES}
+    say(f"\nSustainable rate (mean normalized latency <= {th:.4f} s/token = {THRESHOLD_FACTOR}x vLLM's at "
+        f"{rates[0] / 4:g} req/s, simulated):")
+    say("  measured:  " + ", ".join(f"{get_system(n).label} {v:.1f}" for n, v in sustained.items()) + " req/s")
+    say("  simulated: " + ", ".join(f"{get_system(n).label} {v:.1f}" for n, v in predicted.sustainable(th).items())
+        + " req/s")
+    for line in ratio_lines(sustained):
+        say(line)
+    top = rates[-1]
+    say(f"Requests batched at once at {top:g} req/s: " + ", ".join(
+        f"{get_system(n).label} {exp.runs[(n, top)].summary()['batched']:.2f}" for n in SYSTEM_NAMES)
+        + f"  (paper, OPT-13B ShareGPT: vLLM {PAPER_BATCHED['vllm']}, Oracle {PAPER_BATCHED['orca-oracle']}, "
+          f"Pow2 {PAPER_BATCHED['orca-pow2']}, Max {PAPER_BATCHED['orca-max']})")
+    say(f"Mean step time at {top:g} req/s (busier, not faster): " + ", ".join(
+        f"{get_system(n).label} {1e3 * exp.runs[(n, top)].summary()['step_time']:.1f} ms" for n in SYSTEM_NAMES)
+        + f"; useful share of static batching's slots {exp.runs[('static', top)].summary()['useful_slot_share']:.0%}")
+
+    say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system) ==")
+    say("At each rate: a real-time run of the other requests at that rate, the measured run, and another run of "
+        "the other requests; the model is fitted on those two. Measured again (up to 4 times) when that model "
+        "misjudges the measured run's own steps by over 10%, i.e. when the machine's speed changed in between. "
+        "'own steps' refits on the measured run's steps: the error left is the simulator's, not the cost model's.")
+    val_rates = rates[:3] if args.rates else knees[1:]
+    with quiet(), shared_weights():
+        checks = validate(llm, calibration, trace, val_rates, attempts=4, **common)
+    rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
+             f"{100 * v.step_model_error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"] for v in checks]
+    say(format_table(["rate req/s", "attempt", "measured s/token", "simulated s/token", "error", "step model",
+                      "own steps"], rows))
+    final = [v for i, v in enumerate(checks) if i + 1 == len(checks) or checks[i + 1].rate != v.rate]
+    worst = max(abs(v.error) for v in final)
+    say(f"worst error at the three rates (last attempt each): {100 * worst:.1f}% "
+        f"({'within' if worst <= 0.15 else 'OUTSIDE'} the 15% bound)")
+    rows = []
+    for name in SYSTEM_NAMES:
+        if name == "vllm":
+            continue
+        for r, m in ((v.rate, v.model) for v in final):
+            v = check_against(m, {r: exp.runs[(name, r)]}, name, **common)[0]
+            rows.append([get_system(name).label, f"{v.rate:g}", f"{v.measured:.4f}", f"{v.predicted:.4f}",
+                         f"{100 * v.error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"])
+    say("The other systems against their Part-1 runs (the model of the last attempt at each rate):")
+    say(format_table(["system", "rate req/s", "measured s/token", "simulated s/token", "error", "own steps"], rows))
+
+
+# -- part 3 ----------------------------------------------------------------------------------------------
+def paper_scale(args, dataset):
+    cfg = DATASETS[dataset]
+    seconds = cfg["paper_seconds"] // (3 if args.quick else 1)
+    rates = {s: cfg["slow_rates"] if s == "static" else cfg["paper_rates"] for s in SYSTEM_NAMES}
+    setup = paper_setup(1.0)
+    trace = serving_trace(dataset, round(max(cfg["paper_rates"]) * seconds), None, seed=0)
+    t = time.perf_counter()
+    sw = sweep(trace, OPT13B_A100, rates, SYSTEM_NAMES, duration=seconds, min_requests=100, **setup)
+    say(f"\n== Part 3 ({dataset}): {OPT13B_A100.name}, {seconds} s of Poisson traffic per rate (at least 100 "
+        f"requests), KV {setup['kv_cache_tokens']} tokens, max_num_seqs {setup['max_num_seqs']}, block 16 "
+        f"({time.perf_counter() - t:.1f} s to simulate) ==")
+    say("Mean normalized latency (s/token), Figure 12's y axis:")
+    for s in SYSTEM_NAMES:
+        say(f"  {get_system(s).label:14s} " + "  ".join(f"{r:g}: {lat:.3f}" for r, lat in zip(sw.rates[s], sw.latency[s])))
+    th = threshold_of(sw.latency["vllm"][0])
+    sustained = sw.sustainable(th)
+    say(f"Sustainable rate (<= {th:.4f} s/token = {THRESHOLD_FACTOR}x vLLM's at {sw.rates['vllm'][0]:g} req/s): "
+        + ", ".join(f"{get_system(s).label} {v:.2f}" for s, v in sustained.items()) + " req/s")
+    for line in ratio_lines(sustained):
+        say(line)
+    say(f"Requests batched at once near {sustained['vllm']:.2f} req/s: " + ", ".join(
+        f"{get_system(s).label} {sw.at(s, sustained['vllm']):.2f}" for s in SYSTEM_NAMES)
+        + f"  (paper, ShareGPT 2 req/s: vLLM {PAPER_BATCHED['vllm']}, Oracle {PAPER_BATCHED['orca-oracle']}, "
+          f"Pow2 {PAPER_BATCHED['orca-pow2']}, Max {PAPER_BATCHED['orca-max']})")
+
+
+# -- vLLM ------------------------------------------------------------------------------------------------
+def run_vllm(args):
+    if not vllm_available():
+        say("vLLM is not installed here, so the vLLM run is skipped (vLLM needs a CUDA GPU; install it there and "
+            "rerun with --engine vllm --model <a Hugging Face model>). The tinypaged experiment runs with "
+            "`python benchmarks/bench_serving.py`.")
+        return 0
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+
+    from tinypaged.serving import replay_vllm
+
+    for dataset in args.datasets:
+        cfg = DATASETS[dataset]
+        common = paper_setup(cfg["scale"], max_num_seqs=args.max_num_seqs)
+        trace = serving_trace(dataset, args.requests, None, seed=0, scale=cfg["scale"])
+        engine = LLMEngine.from_engine_args(EngineArgs(
+            model=args.model, max_num_seqs=common["max_num_seqs"], block_size=16, max_model_len=common["max_model_len"],
+            num_gpu_blocks_override=common["kv_cache_tokens"] // 16, enable_prefix_caching=False, seed=0))
+        runs = {}
+        for rate in args.rates or [5.0, 10.0, 20.0, 40.0]:
+            runs[("vLLM (real)", rate)] = replay_vllm(engine, with_rate(trace, rate, seed=0), SamplingParams, rate,
+                                                      max_num_seqs=common["max_num_seqs"])
+        say(f"\n== vLLM {dataset}: {args.model}, KV {common['kv_cache_tokens']} tokens, max_num_seqs "
+            f"{common['max_num_seqs']} ==")
+        say(serving_table(runs))
+    return 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=["tinypaged", "vllm"], default="tinypaged")
+    ap.add_argument("--model", default=None, help="tinypaged: 'tiny' (default) or 'smollm2-135m'; vllm: a model name")
+    ap.add_argument("--datasets", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(DATASETS))
+    ap.add_argument("--requests", type=int, default=None, help="requests per real-time run (default 100, quick 48)")
+    ap.add_argument("--device", default="cpu", help="tinypaged's device: cpu (default) or cuda")
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="real-time rates in req/s")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1: steadier step times on a shared CPU, which the simulator fits)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["realtime", "paper"])
+    args = ap.parse_args(argv)
+    args.requests = args.requests or (48 if args.quick else 100)
+    if args.engine == "vllm":
+        if args.model is None:
+            ap.error("--engine vllm needs --model (a model vLLM can load)")
+        return run_vllm(args)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.model = args.model or "tiny"
+    if args.quick and args.rates is None:
+        args.datasets = args.datasets[:1]
+    t0 = time.perf_counter()
+    for dataset in args.datasets:
+        if "realtime" not in args.skip:
+            realtime(args, dataset)
+    if "paper" not in args.skip:
+        for dataset in args.datasets:
+            paper_scale(args, dataset)
+    say(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Real-time replay and per-request serving metrics (TTFT, TPOT, normalized latency), the systems list,
+sustainable rates, and the vLLM path of the serving benchmark."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tinypaged import LLM, SamplingParams
+from tinypaged.serving import (SYSTEM_NAMES, RequestRecord, ServingRun, StepRecord, BatchShape, get_system, quiet,
+                               rate_ratios, replay, replay_vllm, scaled_max_model_len, serving_table, serving_trace,
+                               shared_weights, sustainable_rate, system_config, vllm_available, with_rate)
+from tinypaged.workloads import TraceRequest, summarize
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_request_metrics_follow_their_definitions():
+    r = RequestRecord("a", prompt_len=10, output_len=5, arrival=1.0, first_token=1.5, finished=3.5)
+    assert r.ttft == 0.5
+    assert r.tpot == (3.5 - 1.5) / 4
+    assert r.e2e == 2.5
+    assert r.normalized_latency == 2.5 / 5
+    one = RequestRecord("b", 3, 1, 0.0, 0.2, 0.2)
+    assert one.tpot == 0.0 and one.normalized_latency == 0.2
+
+
+def test_systems_are_the_papers_and_differ_only_in_their_own_knobs():
+    assert SYSTEM_NAMES == ("static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
+    assert get_system("vllm").engine_kwargs == {"scheduler": "continuous", "kv_cache": "paged"}
+    assert system_config("orca-pow2", kv_cache_tokens=100, max_num_seqs=4) == {
+        "scheduler": "continuous", "kv_cache": "contiguous", "reservation_policy": "pow2",
+        "kv_cache_tokens": 100, "max_num_seqs": 4}
+    with pytest.raises(ValueError, match="Unknown system 'orca'"):
+        get_system("orca")
+    with pytest.raises(ValueError, match="define the system"):
+        system_config("static", scheduler="continuous")
+
+
+def test_scaled_trace_fits_the_scaled_cap_and_keeps_poisson_arrivals():
+    for scale in (1 / 16, 1 / 8, 0.5, 1.0):
+        trace = serving_trace("sharegpt", 200, rate=3.0, seed=0, scale=scale)
+        cap = scaled_max_model_len(scale)
+        assert all(1 <= r.prompt_len and 1 <= r.output_len and r.total_len <= cap for r in trace)
+        assert all(a.arrival_time < b.arrival_time for a, b in zip(trace, trace[1:]))
+    big = summarize(serving_trace("sharegpt", 400, None, seed=0))
+    small = summarize(serving_trace("sharegpt", 400, None, seed=0, scale=1 / 8))
+    assert small["mean_output"] == pytest.approx(big["mean_output"] / 8, rel=0.05)
+    mean_gap = serving_trace("alpaca", 2000, rate=4.0, seed=1)[-1].arrival_time / 2000
+    assert mean_gap == pytest.approx(0.25, rel=0.1)
+    with pytest.raises(ValueError, match="scale"):
+        serving_trace("alpaca", 3, None, scale=2.0)
+    with pytest.raises(ValueError, match="rate"):
+        with_rate(serving_trace("alpaca", 3, None), 0.0)
+
+
+def test_sustainable_rate_interpolates_the_crossing():
+    rates, lat = [1, 2, 4, 8], [0.1, 0.2, 0.6, 2.0]
+    assert sustainable_rate(rates, lat, 0.4) == pytest.approx(3.0)
+    assert sustainable_rate(rates, lat, 5.0) == 8  # never over: the top of the sweep
+    assert sustainable_rate(rates, lat, 0.05) == 0.0  # over even at the lowest rate
+    assert sustainable_rate(reversed(rates), reversed(lat), 0.4) == pytest.approx(3.0)
+    assert rate_ratios({"vllm": 6.0, "orca-max": 2.0, "static": 0.0}) == {"orca-max": 3.0, "static": math.inf}
+
+
+def test_replay_times_every_request_on_the_real_engine():
+    trace = serving_trace("alpaca", 12, rate=200.0, seed=2, scale=0.25)
+    with quiet(), shared_weights():
+        llm = LLM("tiny", device="cpu", dtype="float32", **system_config("vllm", kv_cache_tokens=512, max_num_seqs=8,
+                                                                         max_model_len=512))
+        run = replay(llm, trace, "vllm", 200.0)
+    assert len(run.requests) == 12
+    assert sorted((r.prompt_len, r.output_len) for r in run.requests) == \
+        sorted((r.prompt_len, r.output_len) for r in trace)
+    for r in run.requests:
+        assert r.arrival >= 0 and r.arrival <= r.first_token <= r.finished
+        assert r.ttft <= r.e2e and r.normalized_latency > 0
+    # no preemption here, so every prompt token and every output token but the last was computed once
+    assert run.num_preemptions == 0
+    assert sum(s.shape.num_tokens for s in run.steps) == sum(r.prompt_len + r.output_len - 1 for r in trace)
+    assert max(s.num_seqs for s in run.steps) <= 8
+    m = run.summary()
+    assert m["requests"] == 12 and m["useful_slot_share"] == 1.0 and 0 < m["occupancy"] <= 1
+    table = serving_table({("vllm", 200.0): run})
+    assert "vLLM" in table and "200" in table
+
+
+def test_static_batching_leaves_finished_members_slots_idle():
+    trace = serving_trace("sharegpt", 6, None, seed=5, scale=1 / 16)
+    with quiet(), shared_weights():
+        llm = LLM("tiny", device="cpu", dtype="float32", **system_config("static", kv_cache_tokens=1024,
+                                                                         max_num_seqs=6, max_model_len=128))
+        run = replay(llm, trace, "static")
+    assert max(s.batch_slots for s in run.steps) == 6
+    assert run.summary()["useful_slot_share"] < 1.0
+
+
+def test_contiguous_decode_near_the_end_of_the_arena():
+    """A short region at the arena's end decodes next to a long one: the padded gather of its
+    context must stay inside the arena, and tokens must match running each request alone."""
+
+    def run(prompts, outs):
+        llm = LLM("tiny", device="cpu", dtype="float64", kv_cache="contiguous", reservation_policy="oracle",
+                  kv_cache_tokens=40, max_model_len=40)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs])
+        return [r.outputs[0].token_ids for r in res]
+
+    a, b = [5 + i for i in range(30)], [7, 8, 9]
+    with shared_weights():
+        assert run([a, b], [5, 2]) == [run([a], [5])[0], run([b], [2])[0]]
+
+
+class FakeVLLMEngine:
+    """vLLM's LLMEngine API in miniature: one token per running request per step, up to 2 at once."""
+
+    def __init__(self):
+        self.running, self.added = {}, []
+
+    def add_request(self, request_id, prompt, params):
+        assert isinstance(prompt["prompt_token_ids"], list) and params.ignore_eos
+        self.added.append(request_id)
+        self.running[request_id] = [params.max_tokens, []]
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+    def step(self):
+        outs = []
+        for rid in list(self.running)[:2]:
+            want, toks = self.running[rid]
+            toks.append(1)
+            done = len(toks) == want
+            outs.append(SimpleNamespace(request_id=rid, outputs=[SimpleNamespace(token_ids=list(toks))],
+                                        finished=done))
+            if done:
+                del self.running[rid]
+        return outs
+
+
+def test_vllm_replay_drives_the_engine_api_and_times_requests():
+    trace = serving_trace("alpaca", 5, rate=None, seed=0, scale=0.1)  # all at t=0: no timing involved
+    params = lambda **kw: SimpleNamespace(**kw)  # noqa: E731  (stands in for vllm.SamplingParams)
+    run = replay_vllm(FakeVLLMEngine(), trace, params, None, max_num_seqs=2)
+    assert len(run.requests) == 5
+    assert sorted(r.output_len for r in run.requests) == sorted(r.output_len for r in trace)
+    assert all(r.arrival <= r.first_token <= r.finished for r in run.requests)
+    assert [s.num_seqs for s in run.steps][0] == 2 and max(s.num_seqs for s in run.steps) == 2
+    # a late arrival is added only when its time comes
+    late = [TraceRequest(0, 3, 2, 0.0), TraceRequest(1, 3, 2, 0.05)]
+    run = replay_vllm(FakeVLLMEngine(), late, params, None)
+    first = {r.request_id: r for r in run.requests}
+    assert first["vllm-None-1"].first_token >= 0.05
+
+
+def test_bench_serving_says_why_it_skips_vllm():
+    if vllm_available():
+        pytest.skip("vLLM is installed here: the real run is for a GPU machine")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--engine", "vllm",
+                          "--model", "facebook/opt-125m"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "vLLM is not installed here" in out.stdout and "skipped" in out.stdout
+
+
+def test_serving_run_summary_weights_steps_equally():
+    steps = [StepRecord(0, 1, BatchShape(num_seqs=2), 4), StepRecord(1, 3, BatchShape(num_seqs=4), 4)]
+    reqs = [RequestRecord("a", 1, 2, 0.0, 3.0, 3.0)]
+    m = ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()
+    assert m["batched"] == 3 and m["useful_slot_share"] == 6 / 8 and m["occupancy"] == 3 / 8
+    assert m["step_time"] == 1.5 and m["throughput"] == 2 / 3
+    # the drain after the last request started is left out of the batch average
+    reqs = [RequestRecord("a", 1, 2, 0.0, 1.0, 3.0)]
+    assert ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()["batched"] == 2
+
+
+def test_a_request_arriving_while_the_scheduler_runs_is_not_a_deadlock():
+    """Real-time replay: the head request's arrival time falls between the policy's look at the clock
+    and the scheduler's no-progress check. Nothing could have been scheduled, so that is no error."""
+    with quiet(), shared_weights():
+        engine = LLM("tiny", device="cpu", kv_cache_tokens=256, max_model_len=64).llm_engine
+    ticks = iter([0.0, 0.0, 0.0] + [1.0] * 100)  # the policy sees t=0; every later read sees t=1
+    engine.scheduler.clock = lambda: next(ticks)
+    engine.add_request("late", {"prompt_token_ids": [5, 6, 7]},
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), arrival_time=0.5)
+    assert engine.step().scheduled == []  # not yet arrived when the policy looked
+    assert [s.seq.request_id for s in engine.step().scheduled] == ["late"]
