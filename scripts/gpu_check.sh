@@ -49,7 +49,7 @@ if [[ -z $PY ]]; then
     echo "gpu_check: no CUDA device visible to torch; nothing to check here (run the CPU tests instead)." >&2
     exit 1
 fi
-if ! "$PY" -c "import tinypaged" 2>/dev/null; then
+if ! (cd / && "$PY" -c "import tinypaged.kernels") 2>/dev/null; then  # from /: not the checkout on sys.path
     echo "== installing tinypaged into $PY (editable, no dependencies, offline)"
     if ! "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$LOG_DIR/gpu_check_install.log" 2>&1; then
         # No write access to that Python: a tree of links on PYTHONPATH does what the install would

@@ -1,17 +1,17 @@
-"""Exercises are generated from solutions, never drift, and the grader scores what learners wrote."""
+"""Assignments: nbgrader sources, generated exercises, rebuilt submissions, the static scan and the verifier.
 
+Everything here runs in-process and fast; tests/test_grading.py runs real submissions in kernels.
+"""
+
+import copy
 import json
 
 import pytest
 
 from tinypaged import checks, coursework
-
-
-def notebook(*sources):
-    cells = [{"cell_type": "code", "metadata": {}, "source": src, "outputs": [{"output_type": "stream",
-              "name": "stdout", "text": "x"}], "execution_count": i + 1} for i, src in enumerate(sources)]
-    return {"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
-
+from tinypaged.grading import notebook as nbk
+from tinypaged.grading.scan import scan_notebook
+from tinypaged.grading.verify import apply_to_notebook, verify
 
 SOLVED = """def add(a, b):
     ### BEGIN SOLUTION
@@ -20,59 +20,226 @@ SOLVED = """def add(a, b):
 """
 
 
+def meta(grade, solution, locked, gid, points=None):
+    m = {"grade": grade, "solution": solution, "locked": locked, "grade_id": gid, "schema_version": 3}
+    if points is not None:
+        m["points"] = points
+    return {"nbgrader": m}
+
+
+def code(src, gid=None, kind="given", points=None, outputs=()):
+    md = {} if gid is None else {
+        "given": meta(False, False, True, gid), "solution": meta(False, True, False, gid),
+        "test": meta(True, False, True, gid, points)}[kind]
+    return {"cell_type": "code", "metadata": md, "source": src, "outputs": list(outputs), "execution_count": None}
+
+
+def nb(*cells, stage="01"):
+    return {"cells": list(cells), "metadata": {"tinypaged": {"stage": stage}}, "nbformat": 4, "nbformat_minor": 5}
+
+
+# ---------------------------------------------------------------- solutions and exercises
+
 def test_solution_regions_become_not_implemented_at_their_indentation():
-    out = coursework.strip_solutions(SOLVED)
+    out = nbk.strip_solutions(SOLVED)
     assert out == 'def add(a, b):\n    raise NotImplementedError("not implemented yet")\n'
-    assert "return a + b" not in out
 
 
 @pytest.mark.parametrize("broken", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n",
                                     "### BEGIN SOLUTION\n### BEGIN SOLUTION\n"])
 def test_unbalanced_markers_are_refused(broken):
     with pytest.raises(ValueError):
-        coursework.strip_solutions(broken)
+        nbk.strip_solutions(broken)
 
 
-def test_exercise_has_no_outputs_and_no_solution(tmp_path):
-    (tmp_path / "solutions").mkdir()
-    (tmp_path / "solutions" / "09_demo.ipynb").write_text(json.dumps(notebook(SOLVED, "print(add(1, 2))")))
-    assert coursework.drifted(tmp_path) == ["09_demo.ipynb"]
-    assert [p.name for p in coursework.generate(tmp_path)] == ["09_demo.ipynb"]
-    assert coursework.drifted(tmp_path) == []
-    ex = json.loads((tmp_path / "exercises" / "09_demo.ipynb").read_text())
-    assert all(c["outputs"] == [] and c["execution_count"] is None for c in ex["cells"])
-    assert "a + b" not in json.dumps(ex)
-    (tmp_path / "exercises" / "09_demo.ipynb").write_text(json.dumps(notebook(SOLVED)))  # hand edit
-    assert coursework.drifted(tmp_path) == ["09_demo.ipynb"]
+def test_repository_solutions_follow_the_conventions():
+    sols = [s for s, _ in coursework.pairs()]
+    assert sols, "no solution notebooks"
+    for sol in sols:
+        assert coursework.lint_notebook(sol) == [], sol.name
 
 
-def test_repository_exercises_match_their_solutions():
-    assert coursework.drifted() == []
+def test_lint_names_what_is_wrong(tmp_path):
+    bad = nb(code("x = 1"), code(SOLVED, "add", "given"), code("check('add', add)", "t", "test", points=0),
+             stage="03")
+    path = tmp_path / "09_demo.ipynb"
+    path.write_text(json.dumps(bad))
+    problems = "\n".join(coursework.lint_notebook(path))
+    for expected in ("metadata.tinypaged.stage must be '09'", "a code cell without nbgrader metadata",
+                     "outside a solution cell", "needs points > 0", "unknown check 'add'", "no hidden cases"):
+        assert expected in problems, expected
 
 
 def test_every_solution_has_an_exercise_and_a_lesson():
     sols = sorted(p.name for p, _ in coursework.pairs())
     lessons = {p.name[:2] for p in (coursework.ROOT / "notebooks").glob("*.ipynb")}
-    assert sols, "no solution notebooks"
     assert {s[:2] for s in sols} <= lessons
+    assert all((coursework.ROOT / "exercises" / s).exists() for s in sols)
 
 
-def test_grader_gives_full_marks_to_solutions_and_none_to_exercises():
+def test_repository_exercises_match_their_solutions():
+    """exercises/ is exactly what nbgrader's generate_assignment makes of solutions/."""
+    assert coursework.drifted() == []
+
+
+def test_exercises_hold_no_solutions_hidden_tests_or_outputs():
     for sol, ex in coursework.pairs():
-        earned, possible, rows = coursework.grade(sol)
-        assert possible > 0 and earned == possible, (sol.name, rows)
-        earned, possible, rows = coursework.grade(ex)
-        assert earned == 0, (ex.name, rows)
-        assert all(status == checks.TODO for _, status, _ in rows), (ex.name, rows)
+        text = ex.read_text()
+        exercise = json.loads(text)
+        assert nbk.BEGIN not in text and nbk.BEGIN_HIDDEN not in text and "hidden=" not in text, ex.name
+        assert all(c.get("outputs", []) == [] for c in exercise["cells"]), ex.name
+        assert exercise["metadata"]["tinypaged"]["stage"] == sol.name[:2]
+        stubs = sum(nbk.STUB in nbk.source_of(c) for c in exercise["cells"] if nbk.is_solution(c))
+        assert stubs == sum(nbk.is_solution(c) and c["cell_type"] == "code" for c in exercise["cells"])
 
 
-def test_check_reports_pass_fail_and_not_implemented(capsys):
-    checks._load_all()
-    name = sorted(checks.REGISTRY)[0]
+# ---------------------------------------------------------------- rebuilding a submission
 
-    def not_done(*args, **kwargs):
-        raise NotImplementedError("not implemented yet")
+SOURCE = nb(code("from tinypaged.checks import check", "setup"),
+            code(SOLVED, "add", "solution"),
+            code('check("x", add)\n### BEGIN HIDDEN TESTS\ncheck("x", add, hidden=1)\n### END HIDDEN TESTS', "t_add",
+                 "test", points=2))
 
-    assert checks.check(name, not_done) == checks.TODO
-    assert checks.check(name, lambda *a, **k: object()) == checks.FAIL
-    assert "check " + name in capsys.readouterr().out
+
+def test_assemble_puts_back_the_instructors_cells_and_keeps_the_learners():
+    sub = copy.deepcopy(SOURCE)
+    sub["cells"][0]["source"] = "import os  # learner edited a locked cell"
+    sub["cells"][1]["source"] = "def add(a, b):\n    return a - b\n"
+    sub["cells"][2]["source"] = 'print("PASS")  # learner replaced the test'
+    sub["cells"].insert(1, code("helper = 1"))  # an added cell
+    run = nbk.assemble(SOURCE, sub)
+    srcs = [nbk.source_of(c) for c in run["cells"]]
+    assert srcs[0] == "from tinypaged.checks import check"
+    assert srcs[1] == "helper = 1" and nbk.role(run["cells"][1]) == nbk.LEARNER
+    assert srcs[2] == "def add(a, b):\n    return a - b\n" and nbk.role(run["cells"][2]) == nbk.LEARNER
+    assert "hidden=1" in srcs[3] and nbk.points(run["cells"][3]) == 2
+
+
+def test_assemble_restores_deleted_cells_and_ignores_forged_metadata():
+    sub = copy.deepcopy(SOURCE)
+    del sub["cells"][2]  # the test cell
+    del sub["cells"][1]  # the solution cell
+    sub["cells"].append(code("x = 1", "t_add_forged", "test", points=100))
+    run = nbk.assemble(SOURCE, sub)
+    ids = [nbk.grade_id(c) for c in run["cells"]]
+    assert ids[:3] == ["setup", "add", "t_add"]
+    assert nbk.STUB in nbk.source_of(run["cells"][1])
+    assert nbk.grade_id(run["cells"][3]) is None and not nbk.is_test(run["cells"][3])
+
+
+def test_stage_comes_from_the_metadata_then_the_file_name(tmp_path):
+    assert nbk.stage_of(nb(stage="04"), tmp_path / "alice_homework.ipynb") == "04"
+    assert nbk.stage_of({"metadata": {}}, tmp_path / "02_block_table.ipynb") == "02"
+    assert nbk.stage_of({"metadata": {}}, tmp_path / "homework.ipynb") is None
+
+
+# ---------------------------------------------------------------- the static scan
+
+def scan(*learner, given="from tinypaged import contiguous, attention\nimport tinypaged"):
+    cells = [(0, given, False)] + [(i + 1, src, True) for i, src in enumerate(learner)]
+    return scan_notebook(cells)
+
+
+@pytest.mark.parametrize("src", [
+    "first_fit = contiguous.first_fit",
+    "from tinypaged.contiguous import first_fit",
+    "from tinypaged.contiguous import first_fit as ff\ndef first_fit(h, s):\n    return ff(h, s)",
+    "def first_fit(h, s):\n    return tinypaged.contiguous.first_fit(h, s)",
+    "import tinypaged.contiguous as c\nfirst_fit = getattr(c, 'first_fit')",
+])
+def test_scan_finds_reuse_of_a_reference(src):
+    found = [f for f in scan(src) if f.kind == "reuse"]
+    assert found and "first_fit" in found[0].checks and "first_fit" in found[0].binds
+
+
+def test_scan_finds_the_package_stage_module_of_references():
+    found = scan("from tinypaged.checks import stage03 as ref\ndef fork(t, r):\n    return ref.fork(t, r)")
+    kinds = {f.kind for f in found}
+    assert "reuse" in kinds and "tamper" in kinds  # a reference, reached through the grader's own modules
+
+
+@pytest.mark.parametrize("src", [
+    "import tinypaged.checks\ntinypaged.checks.evaluate = lambda *a: ('PASS', '')",
+    "from tinypaged import checks\nsetattr(checks, 'check', print)",
+    "import sys\nsys.modules['tinypaged.checks'] = None",
+    "exec('import tinypaged')",
+    "import os\nos.environ.pop('TINYPAGED_GRADING')",
+    "contiguous.first_fit = lambda h, s: 0",
+    "import builtins\nbuiltins.print = None",
+])
+def test_scan_finds_tampering(src):
+    assert any(f.kind == "tamper" for f in scan(src)), src
+
+
+@pytest.mark.parametrize("src", [
+    "from tinypaged.checks import check\ncheck('first_fit', first_fit)",
+    "import torch\ntorch.backends.cudnn.deterministic = True",
+    "class A:\n    def __init__(self):\n        self.free = []\n        self.free.append(1)",
+    "from tinypaged.block_manager import hash_block_tokens\nh = hash_block_tokens(None, [1])",
+    "def first_fit(holes, size):\n    return next((s for s, g in holes if g >= size), None)",
+])
+def test_scan_leaves_ordinary_code_alone(src):
+    assert scan(src) == [], src
+
+
+# ---------------------------------------------------------------- the verifier
+
+def record(name, outcomes, hidden=None, reuse=None):
+    return {"output_type": "display_data", "metadata": {},
+            "data": {checks.RECORD_MIME: {"check": name, "hidden": hidden, "outcomes": outcomes, "reuse": reuse},
+                     "text/plain": "<record>"}}
+
+
+def observed(name, impl, hidden=None):
+    r = checks.observe(checks.get(name), impl, hidden, detect=False)
+    return record(name, r["outcomes"], hidden)
+
+
+def ff(holes, size):
+    return next((s for s, g in holes if g >= size), None)
+
+
+def executed(learner_src, outputs, points=2):
+    cells = [code("from tinypaged.checks import check", "setup"), code(learner_src, "first_fit", "solution"),
+             code('check("first_fit", first_fit)\n### BEGIN HIDDEN TESTS\ncheck("first_fit", first_fit, hidden=7)\n'
+                  '### END HIDDEN TESTS', "test_ff", "test", points=points, outputs=outputs)]
+    return nb(*cells)
+
+
+def test_verifier_scores_records_against_its_own_expectations():
+    good = executed("def first_fit(h, s): ...", [observed("first_fit", ff), observed("first_fit", ff, 7)])
+    rep = verify(good)
+    assert (rep["score"], rep["max_score"]) == (2.0, 2.0) and rep["tests"][0]["status"] == checks.PASS
+
+    forged = json.loads(json.dumps(good))  # the kernel claims success but observed wrong answers
+    for out in forged["cells"][2]["outputs"]:
+        for o in out["data"][checks.RECORD_MIME]["outcomes"]:
+            for step in o["steps"]:
+                step[1] = -1  # never a first-fit answer
+    forged["cells"][2]["outputs"].append({"output_type": "stream", "name": "stdout", "text": "check first_fit: PASS"})
+    assert verify(forged)["score"] == 0.0
+
+
+def test_verifier_gives_partial_credit_by_case_weight():
+    half = executed("def first_fit(h, s): ...", [observed("first_fit", ff)])  # the hidden record is missing
+    row = verify(half)["tests"][0]
+    assert 0 < row["score"] < 2 and "no result was recorded" in row["message"]
+
+
+def test_verifier_zeroes_reuse_and_everything_after_tampering():
+    src = "from tinypaged.contiguous import first_fit"
+    rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
+    assert rep["score"] == 0 and "reference implementation tinypaged.contiguous.first_fit" in rep["tests"][0]["message"]
+    src = "import tinypaged.checks as c\nc.evaluate = None\ndef first_fit(h, s): ..."
+    rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
+    assert rep["score"] == 0 and "touches the grader" in rep["tests"][0]["message"]
+
+
+def test_verdicts_are_written_in_nbgraders_language():
+    rep = verify(executed("def first_fit(h, s): ...", [observed("first_fit", ff)]))
+    out = apply_to_notebook(executed("def first_fit(h, s): ...", []), rep)["cells"][2]["outputs"]
+    assert out[0]["output_type"] == "stream" and out[-1]["output_type"] == "execute_result"
+    assert 0 < float(out[-1]["data"]["text/plain"]) < 2
+    rep = verify(executed("def first_fit(h, s): ...", []))
+    out = apply_to_notebook(executed("def first_fit(h, s): ...", []), rep)["cells"][2]["outputs"]
+    assert out[-1]["output_type"] == "error"

@@ -1,75 +1,39 @@
-"""Course machinery: exercises generated from solutions, and grading of a submitted notebook.
+"""Course machinery: nbgrader assignments from the solution notebooks, and grading that cannot be gamed.
 
-Solution notebooks (``solutions/NN_*.ipynb``) mark the code learners must write, nbgrader-style::
+    python -m tinypaged.coursework generate          # exercises/ from solutions/ (nbgrader generate_assignment)
+    python -m tinypaged.coursework check             # fail if exercises/ drifted from solutions/
+    python -m tinypaged.coursework lint              # check the solution notebooks' nbgrader metadata
+    python -m tinypaged.coursework release           # the nbgrader course: source/ and release/ under course/
+    python -m tinypaged.coursework grade NB... [--json] [--csv FILE]
 
-    def slot_mapping(block_table, positions, block_size):
-        ### BEGIN SOLUTION
-        return [...]
-        ### END SOLUTION
+``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
+:mod:`tinypaged.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
+scratch course and copies the released notebook to ``exercises/``: solution regions become
+``raise NotImplementedError("not implemented yet")``, hidden tests and outputs are removed, cells are locked.
 
-``generate`` replaces each region with ``raise NotImplementedError("not implemented yet")`` at the
-same indentation, clears outputs, and writes ``exercises/NN_*.ipynb``. ``check`` fails when an
-exercise has drifted from its solution. ``grade`` runs a submitted notebook's code and scores it
-with the stage's checks (the same checks the notebook itself calls).
-
-    python -m tinypaged.coursework generate
-    python -m tinypaged.coursework check
-    python -m tinypaged.coursework grade exercises/02_block_table.ipynb
+``grade`` is the quick path without a gradebook: each notebook is rebuilt around the instructor's
+locked and test cells (its stage comes from ``metadata.tinypaged.stage``, not the file name), run
+in its own kernel in a subprocess with per-cell and per-notebook time limits, and scored by
+:mod:`tinypaged.grading.verify` in this process. Exit status 0 only if every notebook gets every
+autograded point.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import csv
 import json
-import linecache
-import re
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-STUB = 'raise NotImplementedError("not implemented yet")'
+from tinypaged.grading import notebook as nbk
+from tinypaged.grading.notebook import strip_solutions  # noqa: F401  (re-exported for callers)
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def strip_solutions(source: str) -> str:
-    """Replace every BEGIN/END SOLUTION region with a NotImplementedError at its indentation."""
-    out, inside = [], False
-    for line in source.splitlines(keepends=True):
-        stripped = line.strip()
-        if stripped == BEGIN:
-            if inside:
-                raise ValueError("nested BEGIN SOLUTION")
-            inside = True
-            indent = line[: len(line) - len(line.lstrip())]
-            out.append(f"{indent}{STUB}\n")
-        elif stripped == END:
-            if not inside:
-                raise ValueError("END SOLUTION without BEGIN SOLUTION")
-            inside = False
-        elif not inside:
-            out.append(line)
-    if inside:
-        raise ValueError("BEGIN SOLUTION without END SOLUTION")
-    return "".join(out)
-
-
-def exercise_from_solution(nb: dict) -> dict:
-    nb = json.loads(json.dumps(nb))
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        cell["source"] = strip_solutions(src).splitlines(keepends=True)
-        cell["outputs"] = []
-        cell["execution_count"] = None
-    nb.setdefault("metadata", {})["tinypaged"] = {"generated_from": "solutions", "do_not_edit": True}
-    return nb
-
-
-def _dump(nb: dict) -> str:
-    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+CONFIG = ROOT / "nbgrader_config.py"
 
 
 def pairs(root: Path = ROOT):
@@ -77,10 +41,78 @@ def pairs(root: Path = ROOT):
         yield sol, root / "exercises" / sol.name
 
 
+# ---------------------------------------------------------------- nbgrader generation
+
+def _nbgrader_api(course_root: Path, config_file: Path = CONFIG):
+    # nbgrader runs the `alembic` command of its own environment: make sure that is on PATH.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    from nbgrader.apps import NbGraderAPI
+    from traitlets.config import Config
+    from traitlets.config.loader import PyFileConfigLoader
+
+    cfg = Config()
+    if config_file.exists():
+        cfg.merge(PyFileConfigLoader(config_file.name, path=str(config_file.parent)).load_config())
+    cfg.CourseDirectory.root = str(course_root)
+    cfg.CourseDirectory.db_url = f"sqlite:///{course_root / 'gradebook.db'}"
+    if "TINYPAGED_EXCHANGE" not in os.environ:
+        cfg.Exchange.root = str(course_root / "exchange")
+    (course_root / "exchange").mkdir(parents=True, exist_ok=True)
+    return NbGraderAPI(config=cfg)
+
+
+def course_root() -> Path:
+    """The course directory nbgrader_config.py names ($TINYPAGED_COURSE, else course/ in the repository)."""
+    from traitlets.config.loader import PyFileConfigLoader
+
+    return Path(PyFileConfigLoader(CONFIG.name, path=str(CONFIG.parent)).load_config().CourseDirectory.root)
+
+
+def release(course_root: Path, solutions: list[Path]) -> dict[Path, Path]:
+    """Stage each solution as an nbgrader assignment (``source/NN_name/NN_name.ipynb``) and run
+    ``generate_assignment``: returns solution -> released notebook."""
+    api = _nbgrader_api(course_root)
+    released = {}
+    for sol in solutions:
+        problems = lint_notebook(sol)
+        if problems:
+            raise ValueError(f"{sol.name} breaks the assignment conventions:\n  " + "\n  ".join(problems))
+        name = sol.stem
+        src_dir = course_root / "source" / name
+        src_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(sol, src_dir / sol.name)
+        result = api.generate_assignment(name, force=True, create=True)
+        out = course_root / "release" / name / sol.name
+        if not result.get("success") or not out.exists():
+            raise RuntimeError(f"nbgrader generate_assignment {name} failed:\n{result.get('log', '')}{result.get('error', '')}")
+        released[sol] = out
+    return released
+
+
+def _exercise_text(released: Path) -> str:
+    """The released notebook as committed in exercises/: without the solution run's traces (execution
+    timestamps, the interpreter's version), so re-running a solution does not change its exercise."""
+    nb = json.loads(released.read_text())
+    for cell in nb["cells"]:
+        cell.get("metadata", {}).pop("execution", None)
+    meta = nb.setdefault("metadata", {})
+    meta["language_info"] = {"name": meta.get("language_info", {}).get("name", "python")}
+    meta.setdefault("tinypaged", {})["generated_from"] = "solutions"
+    return json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n"
+
+
+def _generated(root: Path) -> dict[Path, str]:
+    sols = [s for s, _ in pairs(root)]
+    with tempfile.TemporaryDirectory(prefix="tinypaged-course-") as tmp:
+        return {root / "exercises" / s.name: _exercise_text(out) for s, out in release(Path(tmp), sols).items()}
+
+
 def generate(root: Path = ROOT) -> list[Path]:
+    """Write ``exercises/`` from ``solutions/`` through nbgrader; returns the files that changed."""
     written = []
-    for sol, ex in pairs(root):
-        text = _dump(exercise_from_solution(json.loads(sol.read_text())))
+    for ex, text in _generated(root).items():
         if not ex.exists() or ex.read_text() != text:
             ex.parent.mkdir(exist_ok=True)
             ex.write_text(text)
@@ -90,65 +122,153 @@ def generate(root: Path = ROOT) -> list[Path]:
 
 def drifted(root: Path = ROOT) -> list[str]:
     """Exercises that are missing or differ from what their solution generates."""
-    bad = []
-    for sol, ex in pairs(root):
-        expected = _dump(exercise_from_solution(json.loads(sol.read_text())))
-        if not ex.exists() or ex.read_text() != expected:
-            bad.append(ex.name)
-    return bad
+    return [ex.name for ex, text in _generated(root).items() if not ex.exists() or ex.read_text() != text]
 
 
-def notebook_namespace(path: Path) -> dict:
-    """Execute a notebook's code cells in one namespace (skipping IPython-only lines), quietly.
+# ---------------------------------------------------------------- conventions
 
-    A cell that raises is skipped (its later cells still run), so one unfinished exercise does
-    not hide the others from the grader.
-    """
-    nb = json.loads(Path(path).read_text())
-    ns: dict = {"__name__": "__submission__"}
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "code":
-            continue
-        src = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        src = "\n".join(l for l in src.splitlines() if not re.match(r"\s*[%!]", l))
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            # Register the cell's source (as IPython does): compiled @triton.jit kernels read it.
-            name = f"<{path} cell {len(linecache.cache)}>"
-            linecache.cache[name] = (len(src), None, src.splitlines(keepends=True), name)
-            try:
-                exec(compile(src, name, "exec"), ns)
-            except Exception:
-                pass
-    return ns
-
-
-def grade(path: Path) -> tuple[int, int, list[tuple[str, str, str]]]:
-    """Score a notebook with its stage's checks: (points earned, points possible, per-check rows)."""
+def lint_notebook(path: Path) -> list[str]:
+    """What breaks the conventions in a solution notebook (empty: fine)."""
     from tinypaged import checks
+    from tinypaged.grading.verify import expected_calls
 
-    stage = Path(path).name[:2]
-    ns = notebook_namespace(path)
-    earned, possible, rows = 0, 0, []
-    for c in checks.checks_for_stage(stage):
-        possible += c.points
-        impl = ns.get(c.target)
-        if impl is None:
-            rows.append((c.name, checks.TODO, f"{c.target} is not defined"))
-            continue
-        status, msg = checks.evaluate(c.name, impl)
-        earned += c.points if status == checks.PASS else 0
-        rows.append((c.name, status, msg))
-    return earned, possible, rows
+    nb = nbk.read(path)
+    problems = []
+    stage = nb.get("metadata", {}).get("tinypaged", {}).get("stage")
+    if stage != path.name[:2]:
+        problems.append(f"metadata.tinypaged.stage must be {path.name[:2]!r} (got {stage!r})")
+    ids = set()
+    tests = 0
+    for i, cell in enumerate(nb["cells"]):
+        src = nbk.source_of(cell)
+        meta = nbk.nbgrader_meta(cell)
+        where = f"cell {i}"
+        gid = nbk.grade_id(cell)
+        if meta:
+            if not gid:
+                problems.append(f"{where}: nbgrader metadata without a grade_id")
+            elif gid in ids:
+                problems.append(f"{where}: duplicate grade_id {gid!r}")
+            ids.add(gid)
+            for key in ("grade", "solution", "locked"):
+                if not isinstance(meta.get(key), bool):
+                    problems.append(f"{where} ({gid}): nbgrader.{key} must be true or false")
+            if meta.get("grade") and not (isinstance(meta.get("points"), (int, float)) and meta["points"] > 0):
+                problems.append(f"{where} ({gid}): a graded cell needs points > 0")
+        if nbk.BEGIN in src and not nbk.is_solution(cell):
+            problems.append(f"{where}: '{nbk.BEGIN}' outside a solution cell (nbgrader.solution: true)")
+        if nbk.BEGIN_HIDDEN in src and not nbk.is_test(cell):
+            problems.append(f"{where}: '{nbk.BEGIN_HIDDEN}' outside a test cell (nbgrader.grade: true)")
+        if cell.get("cell_type") == "code" and not meta:
+            problems.append(f"{where}: a code cell without nbgrader metadata (make it read-only: locked: true)")
+        if nbk.is_solution(cell) and cell.get("cell_type") == "code" and nbk.BEGIN not in src:
+            problems.append(f"{where} ({gid}): a solution cell without '{nbk.BEGIN}'")
+        if nbk.is_test(cell):
+            tests += 1
+            calls = expected_calls(src)
+            if not calls:
+                problems.append(f"{where} ({gid}): a test cell that calls no tinypaged check")
+            for name, hidden in calls:
+                try:
+                    checks.get(name)
+                except KeyError:
+                    problems.append(f"{where} ({gid}): unknown check {name!r}")
+            serving = all(name in checks.REGISTRY and checks.REGISTRY[name].expected is not None for name, _ in calls)
+            if serving:  # a serving check compares with transformers on fixed prompts: no hidden cases
+                continue
+            if not any(h is not None for _, h in calls):
+                problems.append(f"{where} ({gid}): no hidden cases (### BEGIN HIDDEN TESTS ... check(..., hidden=SEED))")
+            elif nbk.BEGIN_HIDDEN not in src:
+                problems.append(f"{where} ({gid}): hidden checks must sit between the HIDDEN TESTS markers")
+    if not tests:
+        problems.append("no autograded test cell")
+    return problems
+
+
+# ---------------------------------------------------------------- grading
+
+def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeout: int = 120,
+                   notebook_timeout: int = 900) -> dict:
+    """Run and score one submitted notebook; the report of :func:`tinypaged.grading.verify.verify`."""
+    from tinypaged.grading.execute import run_notebook
+    from tinypaged.grading.verify import verify
+
+    report: dict = {"notebook": str(path), "score": 0.0, "max_score": 0.0, "tests": [], "errors": [],
+                    "findings": [], "manual": [], "manual_points": 0.0}
+    try:
+        sub = nbk.read(path)
+        stage = nbk.stage_of(sub, path)
+        if stage is None:
+            raise ValueError(f"{path}: no stage in metadata.tinypaged.stage and none in the file name")
+        source_path = nbk.source_for_stage(stage, solutions)
+        source = nbk.read(source_path)
+    except (ValueError, FileNotFoundError) as e:
+        report["error"] = str(e)
+        return report
+    executed = run_notebook(nbk.assemble(source, sub), cell_timeout, notebook_timeout, cwd=ROOT)
+    report.update(verify(executed))
+    report.update(notebook=str(path), stage=stage, source=str(source_path.relative_to(solutions.parent))
+                  if source_path.is_relative_to(solutions.parent) else str(source_path))
+    return report
+
+
+def format_report(r: dict) -> str:
+    from tinypaged.grading.verify import verdict_lines
+
+    lines = [f"{r['notebook']}: {r['score']:g}/{r['max_score']:g}"]  # scripts/gpu_check.sh greps this line
+    if r.get("stage"):
+        lines.append(f"  stage {r['stage']}, graded against {r.get('source', '?')}")
+    if r.get("error"):
+        lines.append(f"  ERROR {r['error']}")
+    for t in r["tests"]:
+        lines.extend("  " + line for line in verdict_lines(t))
+    for e in r["errors"]:
+        lines.append(f"  your cell {e['grade_id'] or e['cell']} raised {e['error']}")
+    for f in r["findings"]:
+        if f.get("counted"):
+            what = f"uses the package's reference implementation {f['what']}" if f["kind"] == "reuse" else f["what"]
+            lines.append(f"  {f['kind']}: cell {f['cell']}, line {f['line']}: {what}")
+    if r.get("manual_points"):
+        lines.append(f"  + {r['manual_points']:g} points of written answers, graded by hand")
+    return "\n".join(lines)
+
+
+def write_csv(reports: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["notebook", "stage", "grade_id", "score", "max_score", "status", "message"])
+        for r in reports:
+            for t in r["tests"]:
+                w.writerow([r["notebook"], r.get("stage"), t["grade_id"], t["score"], t["points"], t["status"],
+                            t["message"]])
+            w.writerow([r["notebook"], r.get("stage"), "TOTAL", r["score"], r["max_score"],
+                        "PASS" if _complete(r) else "FAIL", r.get("error", "")])
+
+
+def _complete(r: dict) -> bool:
+    return not r.get("error") and r["max_score"] > 0 and r["score"] >= r["max_score"]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tinypaged.coursework", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("generate", help="write exercises/ from solutions/")
+    sub.add_parser("generate", help="write exercises/ from solutions/ (nbgrader generate_assignment)")
     sub.add_parser("check", help="fail if an exercise differs from its generated form")
-    g = sub.add_parser("grade", help="score submitted notebooks with the stage's checks")
+    lint = sub.add_parser("lint", help="check solution notebooks against the assignment conventions")
+    lint.add_argument("notebooks", nargs="*", type=Path)
+    rel = sub.add_parser("release", help="set up the nbgrader course (source/, release/, gradebook)")
+    rel.add_argument("assignments", nargs="*", help="assignment names (default: every solution notebook)")
+    rel.add_argument("--course", type=Path, default=None, help="course root (default: nbgrader_config.py's)")
+    g = sub.add_parser("grade", help="run and score submitted notebooks, each in its own kernel")
     g.add_argument("notebooks", nargs="+", type=Path)
+    g.add_argument("--json", action="store_true", help="print the reports as JSON")
+    g.add_argument("--csv", type=Path, help="also write one row per test cell to this CSV file")
+    g.add_argument("--timeout", type=int, default=120, help="seconds per cell (default 120)")
+    g.add_argument("--notebook-timeout", type=int, default=900, help="seconds per notebook (default 900)")
+    g.add_argument("--solutions", type=Path, default=ROOT / "solutions", help="the instructor's notebooks")
+    g.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     args = ap.parse_args(argv)
+
     if args.cmd == "generate":
         for p in generate():
             print(f"wrote {p.relative_to(ROOT)}")
@@ -160,14 +280,38 @@ def main(argv=None) -> int:
             return 1
         print("exercises match their solutions")
         return 0
-    status = 0
-    for nb in args.notebooks:
-        earned, possible, rows = grade(nb)
-        print(f"{nb}: {earned}/{possible}")
-        for name, st, msg in rows:
-            print(f"  {name}: {st}" + (f" - {msg}" if msg else ""))
-        status |= 0 if possible else 1
-    return status
+    if args.cmd == "lint":
+        status = 0
+        for nb in args.notebooks or [s for s, _ in pairs()]:
+            problems = lint_notebook(nb)
+            print(f"{nb}: " + ("ok" if not problems else f"{len(problems)} problem(s)"))
+            for p in problems:
+                print(f"  {p}")
+            status |= bool(problems)
+        return status
+    if args.cmd == "release":
+        course = args.course or course_root()
+        sols = [s for s, _ in pairs()]
+        unknown = set(args.assignments) - {s.stem for s in sols}
+        if unknown:
+            print(f"no solution notebook for {sorted(unknown)}; known: {[s.stem for s in sols]}")
+            return 1
+        for sol, out in release(course, [s for s in sols if not args.assignments or s.stem in args.assignments]).items():
+            print(f"released {out}")
+        return 0
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own subprocess and kernel
+        reports = list(pool.map(lambda nb: grade_notebook(nb, args.solutions, args.timeout, args.notebook_timeout),
+                                args.notebooks))
+    if args.csv:
+        write_csv(reports, args.csv)
+    if args.json:
+        print(json.dumps(reports, indent=1))
+    else:
+        print("\n".join(format_report(r) for r in reports))
+    return 0 if all(_complete(r) for r in reports) else 1
 
 
 if __name__ == "__main__":

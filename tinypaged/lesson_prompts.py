@@ -200,6 +200,7 @@ NOT_TOKEN_DEPENDENT = [
     (NB2, r"for step in range\(14\):\n    if step == 5:\n        add\(\"D\", 7, 20\)\n    print",
      "prints the step trace of ignore_eos requests"),
     (NB3, r"n=4, temperature=1.0, seed=0", "seeded sampling, not greedy"),
+    (NB3, r"def measure\(parallel_sampling", "fork vs fan-out: seeded sampling (ignore_eos), prints block and token counts"),
     (NB3, r"beam_search_blocks", "block counts; beams of random prompts on 'tiny' in float64"),
     (NB3, r"system \+ \[7 \+ q\]", "prints prefix-cache hits, which depend on the prompts only"),
     (NB4, r"engine.add_request\(\"short-a\"", "prints the step trace of ignore_eos requests"),

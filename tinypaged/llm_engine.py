@@ -86,7 +86,11 @@ class LLMEngine:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         # vLLM refuses to start when the device has less free memory than the share it was given
-        self._mem_at_start = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+        self._mem_at_start = None
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            self._mem_at_start = (free, total, torch.cuda.memory_allocated(self.device),
+                                  torch.cuda.memory_reserved(self.device))
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)

@@ -139,17 +139,19 @@ class ModelRunner:
     def profile_free_gpu_bytes(self, c, mem_at_start) -> int:
         """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
         activation peak of a max-size forward + memory torch does not track)."""
-        free_start, total = mem_at_start
+        # as vLLM: what this engine adds since start-up counts; memory others (or earlier engines in
+        # this process) already held only lowers what is free
+        free_start, total, allocated_start, reserved_start = mem_at_start
         requested = int(total * c.gpu_memory_utilization)
         if free_start < requested:
             raise ValueError(
                 f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
                 f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
                 f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
-        peak = self.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs)
+        peak = self.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs) - allocated_start
         free_now, _ = torch.cuda.mem_get_info(self.device)
         grown = free_start - free_now  # what this process added on the device since start-up
-        non_torch = max(0, grown - torch.cuda.memory_reserved(self.device))
+        non_torch = max(0, grown - (torch.cuda.memory_reserved(self.device) - reserved_start))
         available = requested - peak - non_torch
         if available <= 0:
             raise ValueError(
@@ -187,8 +189,8 @@ class ModelRunner:
 
     # -- memory profiling (CUDA) ------------------------------------------------------------
     def profile_peak_bytes(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
-        """Peak memory torch allocates for weights plus one forward of ``max_num_batched_tokens`` tokens
-        (prompts of at most ``max_model_len``), the KV cache excluded: vLLM's profiling run. It goes
+        """Peak memory torch holds during one forward of ``max_num_batched_tokens`` tokens (prompts of at
+        most ``max_model_len``), the scratch KV cache excluded: vLLM's profiling run. It goes
         through ``prepare`` with a throw-away contiguous cache, like any step."""
         from tinypaged.contiguous import ContiguousKVManager
         from tinypaged.sampling_params import SamplingParams

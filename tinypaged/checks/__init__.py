@@ -1,49 +1,135 @@
-"""Checks that grade a learner's implementation: the same ones in the notebooks, the tests and the CLI.
+"""Checks that grade a learner's implementation: the same ones in the notebooks, the tests and the grader.
 
-Each check is a function that takes the implementation (a function or class the learner wrote)
-and raises ``AssertionError`` with a helpful message when it is wrong. ``check(name, impl)``
-runs one and prints a single stable line:
+A check is a list of *cases*. A case runs the implementation under test on fixed (or seeded random)
+inputs and records what it observed, step by step, as plain JSON values::
 
-    check block_allocator: PASS
-    check block_allocator: FAIL - block 3 is owned twice after fork
-    check block_allocator: not implemented yet
+    def run(slot_mapping, t):
+        t("slots of positions 0..9, table [7, 2, 9], block_size 4", slot_mapping([7, 2, 9], range(10), 4))
 
-Checks are registered per stage (``stage01.py`` ... ``stage05.py``) with the notebook name the
-learner's code lives under, so ``python -m tinypaged.coursework grade NOTEBOOK`` can find it.
+The expected steps come from running the same case with tinypaged's reference implementation, so
+a check never states an answer twice. ``check(name, impl)`` compares the two in-process and prints
+one stable line::
+
+    check slot_mapping: PASS
+    check slot_mapping: FAIL - case 'one block': block table [5], block_size 16, positions [0, 1, 2]: expected [80, 81, 82], got [0, 1, 2]
+    check slot_mapping: not implemented yet
+
+Grading never trusts that line (the learner's kernel could patch this module). In grading mode
+(``TINYPAGED_GRADING=1``) ``check`` also displays a *record* of the observed steps; the grader, in
+its own process, recomputes the expected steps and compares (``tinypaged.grading.verify``).
+
+Hidden tests: ``check(name, impl, hidden=SEED)`` runs the check's hidden cases, random inputs drawn
+from ``SEED``. The seeds live only in the instructor's notebooks (``### BEGIN HIDDEN TESTS``).
+
+Checks are registered per stage (``stage01.py``, ...; add a module name to ``STAGE_MODULES`` for a
+new stage) with the name the learner's code has in the notebook.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
+import json
+import math
+import os
+import sys
+import threading
+import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 PASS, FAIL, TODO = "PASS", "FAIL", "not implemented yet"
+RECORD_MIME = "application/vnd.tinypaged.check+json"
+GRADING_ENV = "TINYPAGED_GRADING"
+MAX_SHOWN = 160  # characters of a value shown in a message
+
+
+# ---------------------------------------------------------------- cases and steps
+
+class Trace:
+    """The steps a case observed: ``t(description, value)`` records one and returns ``value``."""
+
+    def __init__(self):
+        self.steps: list[list] = []
+
+    def __call__(self, description: str, value):
+        self.steps.append([description, plain(value)])
+        return value
+
+
+@dataclass
+class Case:
+    """One scenario: ``run(impl, t)`` drives the implementation and records steps with ``t``."""
+
+    label: str
+    run: Callable[[Any, Trace], Any]
+    hint: str = ""  # why it matters, shown when the case fails
+    tol: float = 0.0  # absolute tolerance for numbers (tensors: max abs error)
+    weight: float = 1.0
 
 
 @dataclass
 class Check:
     name: str
-    stage: str  # "01" ... "05": the notebook prefix
+    stage: str  # "01", "02", ...: the notebook's stage
     target: str  # the name the learner defines in the notebook
-    run: Callable[[object], None]
-    reference: Callable[[], object]  # returns tinypaged's own implementation
-    points: int = 1
+    make_cases: Callable[[int | None], list[Case]]  # hidden seed (None: the visible cases) -> cases
+    reference: Callable[[], object]  # tinypaged's own implementation
+    points: int = 1  # suggested points (the notebook's test cell metadata is what counts)
+    forbidden: Callable[[], list] | None = None  # what the learner may not reuse (default: the reference)
+    expected: Callable[[int | None], list] | None = None  # expected outcomes without a reference impl
+    trace: bool = True  # watch for calls into the forbidden code while the implementation runs
+    uses: tuple[str, ...] = ()  # other learner names this check exercises (a serving check: all of a stage's)
+    legacy: bool = False  # an assert-style check function (the older API): one case, no hidden variant
+
+    def cases(self, hidden: int | None = None) -> list[Case]:
+        return self.make_cases(hidden)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return (self.target, *self.uses)
+
+    def forbidden_objects(self) -> list:
+        return list(self.forbidden()) if self.forbidden is not None else [self.reference()]
 
 
 REGISTRY: dict[str, Check] = {}
+# One module per stage; a new stage adds its module name here (missing modules are skipped).
 STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06")
 
 
-def register(stage: str, target: str, reference: Callable[[], object], points: int = 1):
-    """Decorator: ``@register("02", "slot_mapping", lambda: block_manager.slot_of)``."""
+def register(stage: str, target: str, reference: Callable[[], object] | None = None, points: int = 1,
+             forbidden: Callable[[], list] | None = None, expected=None, trace: bool = True, name: str | None = None,
+             uses: tuple[str, ...] = ()):
+    """Decorator on a function ``cases(hidden) -> list[Case]``; the check is named after it (minus ``cases_``).
+
+    The older form, ``check_<name>(impl)`` raising AssertionError with a message, still registers: it
+    becomes one case whose outcome is whether its assertions hold (prefer cases: they can be verified
+    outside the learner's kernel step by step, and have hidden variants).
+    """
 
     def wrap(fn):
-        REGISTRY[fn.__name__.removeprefix("check_")] = Check(fn.__name__.removeprefix("check_"), stage, target,
-                                                             fn, reference, points)
+        legacy = fn.__name__.startswith("check_")
+        check_name = name or fn.__name__.removeprefix("cases_").removeprefix("check_")
+        make = _legacy_cases(fn) if legacy else fn
+        REGISTRY[check_name] = Check(check_name, stage, target, make, reference or (lambda: None), points,
+                                     forbidden, expected, trace, tuple(uses), legacy)
         return fn
 
     return wrap
+
+
+def _legacy_cases(fn):
+    def run(impl, t):
+        try:
+            fn(impl)
+        except AssertionError as e:
+            t("the check's assertions", f"failed: {e}")
+            return
+        t("the check's assertions", "hold")
+
+    return lambda hidden: [Case("assertions", run)]
 
 
 def _load_all() -> None:
@@ -67,22 +153,358 @@ def checks_for_stage(stage: str) -> list[Check]:
     return [c for c in REGISTRY.values() if c.stage == stage]
 
 
-def evaluate(name: str, impl) -> tuple[str, str]:
-    """Run one check quietly: (status, message)."""
-    c = get(name)
+# ---------------------------------------------------------------- plain values
+
+def plain(value):
+    """A JSON value for what an implementation returned (tensors keep shape and numbers)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {str(plain(k)): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, range)):
+        return [plain(v) for v in value]
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        v = value.detach().cpu()
+        if v.is_floating_point():
+            v = v.double()
+            data = [x if math.isfinite(x) else repr(x) for x in v.flatten().tolist()]
+        else:
+            data = v.flatten().tolist()
+        return {"tensor": list(v.shape), "data": data}
+    if hasattr(value, "item") and callable(value.item):  # numpy scalars
+        try:
+            return plain(value.item())
+        except Exception:
+            pass
+    return f"<{type(value).__name__}>"
+
+
+def _show(value) -> str:
+    if isinstance(value, dict) and "tensor" in value:
+        return f"a tensor of shape {tuple(value['tensor'])}"
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def differ(want, got, tol: float) -> str | None:
+    """Why ``got`` is not ``want`` (None if it is), comparing numbers within ``tol``."""
+    if isinstance(want, dict) and "tensor" in want:
+        if not (isinstance(got, dict) and "tensor" in got):
+            return f"expected a tensor of shape {tuple(want['tensor'])}, got {_show(got)}"
+        if got["tensor"] != want["tensor"]:
+            return f"expected shape {tuple(want['tensor'])}, got shape {tuple(got['tensor'])}"
+        w, g = want["data"], got["data"]
+        if len(w) != len(g) or not all(_number(x) or isinstance(x, str) for x in g):
+            return "the tensor's values are malformed"
+        if any(isinstance(x, str) for x in g):
+            return "the output holds inf or NaN (subtract the running max before exp?)"
+        worst, at = 0.0, 0
+        for i, (a, b) in enumerate(zip(w, g)):
+            err = abs(a - b) if _number(a) else math.inf
+            if err > worst:
+                worst, at = err, i
+        if worst > tol:
+            shape, index, rest = want["tensor"], [], at
+            for size in reversed(shape):
+                index.append(rest % size)
+                rest //= size
+            where = list(reversed(index))
+            return f"max error {worst:.3g} at index {where} (expected {w[at]:.6g}, got {g[at]:.6g}; tolerance {tol:g})"
+        return None
+    if _number(want) and _number(got):
+        return None if abs(want - got) <= tol else f"expected {_show(want)}, got {_show(got)}"
+    if isinstance(want, dict) and isinstance(got, dict) and want.keys() == got.keys():
+        for k in want:  # name the first entry that differs
+            why = differ(want[k], got[k], tol)
+            if why is not None:
+                return f"{k!r}: {why}"
+        return None
+    if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
+        if len(want) > 6 or any(isinstance(w, (list, dict)) for w in want):
+            for i, (w, g) in enumerate(zip(want, got)):  # long or nested lists: the first item that differs
+                why = differ(w, g, tol)
+                if why is not None:
+                    return f"item {i}: {why}"
+            return None
+        if tol:
+            return None if all(differ(w, g, tol) is None for w, g in zip(want, got)) else \
+                f"expected {_show(want)}, got {_show(got)}"
+    return None if want == got else f"expected {_show(want)}, got {_show(got)}"
+
+
+# ---------------------------------------------------------------- running cases
+
+def _mentions_not_implemented(e: BaseException) -> bool:
+    """NotImplementedError, possibly wrapped (Triton's interpreter and compiler wrap the stub's raise)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, NotImplementedError) or "NotImplementedError" in f"{e!r} {e}":
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _codes_of(obj) -> set:
+    """Code objects of a function, method, class (all its methods and properties) or module-level callable."""
+    codes = set()
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    if isinstance(obj, functools.partial):
+        obj = obj.func
+    fn = getattr(obj, "fn", None)  # a @triton.jit kernel wraps its Python function
+    if isinstance(fn, types.FunctionType):
+        codes.add(fn.__code__)
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        codes.add(getattr(obj, "__func__", obj).__code__)
+    elif isinstance(obj, type):
+        for klass in obj.__mro__:
+            if klass.__module__ != "builtins":
+                for attr in vars(klass).values():
+                    if isinstance(attr, property):
+                        attr = attr.fget
+                    attr = getattr(attr, "__func__", attr)
+                    if isinstance(attr, types.FunctionType):
+                        codes.add(attr.__code__)
+    return codes
+
+
+def reuse_of_reference(check: Check, impl) -> str | None:
+    """Why ``impl`` is (a wrapper around, a copy of, or a subclass of) the package's own code, or None."""
+    if impl is None:
+        return None
+    forbidden = check.forbidden_objects()
+    target = impl
+    for _ in range(5):  # peel wrappers: functools.wraps, partial, bound methods
+        if isinstance(target, functools.partial):
+            target = target.func
+        elif hasattr(target, "__wrapped__"):
+            target = target.__wrapped__
+        elif isinstance(target, types.MethodType):
+            target = target.__func__
+        else:
+            break
+    for ref in forbidden:
+        if target is ref or impl is ref:
+            return f"{check.target} is the package's own {_qualname(ref)}"
+        if isinstance(target, type) and isinstance(ref, type) and issubclass(target, ref):
+            return f"{check.target} subclasses the package's own {_qualname(ref)}"
+    module = getattr(target, "__module__", None) or ""
+    if module.startswith("tinypaged") and not module.startswith("tinypaged.interfaces"):
+        return f"{check.target} is defined in the package ({module}), not in your notebook"
+    # The reference's own code objects under another name (copied functions, borrowed methods).
+    shared = _codes_of(target) & set().union(*(_codes_of(r) for r in forbidden)) if forbidden else set()
+    if shared:
+        return f"{check.target} runs the code of the package's own {sorted(c.co_qualname for c in shared)[0]}"
+    return None
+
+
+def _qualname(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', '?'))}"
+
+
+def _ours() -> tuple[str, ...]:
+    """Directories of code that is not the learner's: tinypaged, its kernels, the standard library, site-packages."""
+    import sysconfig
+
+    import tinypaged
+
+    dirs = {os.path.dirname(os.path.abspath(tinypaged.__file__))}
+    kernels = sys.modules.get("tinypaged.kernels")
+    if kernels is not None and getattr(kernels, "__file__", None):
+        dirs.add(os.path.dirname(os.path.abspath(kernels.__file__)))
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(os.path.abspath(path))
+    return tuple(d + os.sep for d in dirs)
+
+
+class _Tripwire:
+    """A trace function that notes calls into forbidden code made (directly or not) by the learner's code.
+
+    The check's own code may use reference helpers to set up a case; only a forbidden call with a
+    learner frame between it and the case runner counts.
+    """
+
+    def __init__(self, codes):
+        self.codes = codes
+        self.hits: list[str] = []
+        self.ours = _ours()
+        self.base = None  # the case runner's frame
+
+    def _learner_on_stack(self, frame) -> bool:
+        f = frame.f_back
+        while f is not None and f is not self.base:
+            name = f.f_code.co_filename
+            if not (name.startswith(self.ours) or name.startswith("<frozen")):
+                return True
+            f = f.f_back
+        return False
+
+    def __call__(self, frame, event, arg):
+        if event == "call" and frame.f_code in self.codes and self._learner_on_stack(frame):
+            self.hits.append(frame.f_code.co_qualname)
+        return None
+
+
+def run_case(case: Case, impl, tripwire: _Tripwire | None = None) -> dict:
+    """Run one case: ``{"steps": [[description, value], ...]}`` plus ``"todo"`` or ``"error"`` if it stopped."""
+    t = Trace()
+    out: dict = {}
+    previous = sys.gettrace()
     try:
-        c.run(impl)
+        if tripwire is not None:
+            tripwire.base = sys._getframe()
+            sys.settrace(tripwire)
+        result = case.run(impl, t)
+        if result is not None:
+            t("result", result)
     except NotImplementedError:
-        return TODO, ""
-    except AssertionError as e:
-        return FAIL, str(e) or "assertion failed"
-    except Exception as e:  # a crash in the learner's code is a failure, not a crash of the notebook
-        return FAIL, f"{type(e).__name__}: {e}"
-    return PASS, ""
+        out["todo"] = True
+    except Exception as e:  # the learner's code failing is a result, not a crash of the check
+        if _mentions_not_implemented(e):
+            out["todo"] = True
+        else:
+            out["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        if tripwire is not None:
+            if sys.gettrace() is not tripwire:
+                tripwire.hits.append("(the trace function was replaced)")
+            sys.settrace(previous)
+    out["steps"] = t.steps
+    return out
 
 
-def check(name: str, impl) -> str:
-    """Run one check and print its one-line verdict; returns the status."""
-    status, msg = evaluate(name, impl)
-    print(f"check {name}: {status}" + (f" - {msg}" if msg else ""))
-    return status
+def observe(check: Check, impl, hidden: int | None = None, detect: bool = True) -> dict:
+    """Run every case of ``check`` on ``impl``: the record the grader verifies."""
+    reuse = reuse_of_reference(check, impl) if detect else None
+    tripwire = None
+    if detect and check.trace and reuse is None:
+        codes = set().union(*(_codes_of(r) for r in check.forbidden_objects()))
+        tripwire = _Tripwire(codes) if codes else None
+    outcomes = [run_case(case, impl, tripwire) for case in check.cases(hidden)]
+    if tripwire is not None and tripwire.hits:
+        reuse = f"{check.target} calls the package's own {sorted(set(tripwire.hits))[0]}"
+    return {"check": check.name, "hidden": hidden, "outcomes": outcomes, "reuse": reuse}
+
+
+@functools.lru_cache(maxsize=None)
+def _expected_json(name: str, hidden: int | None) -> str:
+    c = get(name)
+    if c.expected is not None:
+        outcomes = c.expected(hidden)
+    else:
+        outcomes = [run_case(case, c.reference()) for case in c.cases(hidden)]
+    for i, o in enumerate(outcomes):
+        if "error" in o or "todo" in o:
+            raise RuntimeError(f"check {name}: the reference failed its own case {i}: {o}")
+    return json.dumps(outcomes)
+
+
+_EXPECTED_LOCK = threading.Lock()
+
+
+def expected_outcomes(name: str, hidden: int | None = None) -> list[dict]:
+    """What the reference implementation observes in every case (cached per process; one at a time)."""
+    with _EXPECTED_LOCK:
+        return json.loads(_expected_json(name, hidden))
+
+
+def compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str]:
+    """One case: (passed, not implemented, message). ``got`` is untrusted: anything malformed fails."""
+    g = got if isinstance(got, dict) else {}
+    steps = g.get("steps") if isinstance(g.get("steps"), list) else []
+    error = g.get("error") if isinstance(g.get("error"), str) else None
+    for k, (desc, value) in enumerate(want["steps"]):
+        step = steps[k] if k < len(steps) else None
+        if not (isinstance(step, list) and len(step) == 2):
+            if g.get("todo") is True:
+                return False, True, TODO
+            return False, False, f"{desc}: raised {error}" if error else f"{desc}: no result"
+        why = differ(value, step[1], tol)
+        if why is not None:
+            return False, False, f"{desc}: {why}"
+    if g.get("todo") is True:
+        return False, True, TODO
+    if error:
+        return False, False, f"raised {error}"
+    return True, False, ""
+
+
+def judge(check: Check, record, hidden: int | None = None) -> dict:
+    """Score a record against the expected outcomes: weight passed, weight in all, first failure, reuse."""
+    cases = check.cases(hidden)
+    got = record.get("outcomes") if isinstance(record, dict) else None
+    got = got if isinstance(got, list) else []
+    if len(got) == len(cases) and all(isinstance(g, dict) and g.get("todo") is True and not g.get("steps")
+                                      for g in got):
+        results = [(False, True, TODO)] * len(cases)  # nothing to compare: skip computing the expectations
+    else:
+        expected = expected_outcomes(check.name, hidden)
+        results = [compare_case(want, got[i] if i < len(got) else None, case.tol)
+                   for i, (case, want) in enumerate(zip(cases, expected))]
+    total = sum(c.weight for c in cases)
+    passed = sum(c.weight for c, (ok, _, _) in zip(cases, results) if ok)
+    todo = bool(results) and all(t for _, t, _ in results)
+    message = ""
+    for case, (ok, t, msg) in zip(cases, results):
+        if not ok:
+            message = TODO if t else f"case '{case.label}': {msg}" + (f" ({case.hint})" if case.hint else "")
+            break
+    reuse = record.get("reuse") if isinstance(record, dict) and isinstance(record.get("reuse"), str) else None
+    if reuse:
+        passed, message = 0.0, "uses the package's reference implementation: " + reuse
+    status = PASS if passed == total and total > 0 else (TODO if todo and not reuse else FAIL)
+    return {"check": check.name, "hidden": hidden, "passed": passed, "total": total, "status": status,
+            "message": message, "failed_cases": sum(1 for ok, _, _ in results if not ok)}
+
+
+# ---------------------------------------------------------------- in-notebook API
+
+def evaluate(name: str, impl, hidden: int | None = None, detect: bool = True) -> tuple[str, str]:
+    """Run one check in-process: (status, message). For self-paced learners and the unit tests
+    (``detect=False`` to run a check on the reference itself)."""
+    c = get(name)
+    verdict = judge(c, observe(c, impl, hidden, detect), hidden)
+    return verdict["status"], verdict["message"]
+
+
+def grading() -> bool:
+    return os.environ.get(GRADING_ENV) == "1"
+
+
+def _emit(record: dict) -> None:
+    try:
+        from IPython.display import display
+    except ImportError:
+        return
+    display({RECORD_MIME: record, "text/plain": f"<tinypaged record: {record['check']}>"}, raw=True)
+
+
+def check(name: str, impl, hidden: int | None = None) -> None:
+    """Run one check and print its one-line verdict (``evaluate`` returns it instead).
+
+    In grading mode the kernel only observes: it displays the record for the grader, which computes the
+    expected results and the verdict in its own process (so nothing is judged twice).
+    """
+    c = get(name)
+    what = f"check {name}" + (" (hidden cases)" if hidden is not None else "")
+    record = observe(c, impl, hidden)
+    if grading():
+        print(f"{what}: observed {len(record['outcomes'])} case(s) for the grader")
+        _emit(record)
+        return
+    verdict = judge(c, record, hidden)
+    msg = verdict["message"]
+    print(f"{what}: {verdict['status']}" + (f" - {msg}" if msg and msg != TODO else ""))

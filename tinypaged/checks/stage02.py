@@ -1,7 +1,9 @@
-"""Stage 2 checks: the block allocator, growing a block table, slot mapping, and the block-table gather.
+"""Stage 2 checks: the block allocator, block tables, slot mapping, the block-table gather, and decode
+attention over a paged cache.
 
-References are tinypaged's own code: ``BlockPool`` (wrapped in a thin ``BlockAllocator`` below, since
-the engine's pool hands out ``Block`` objects), ``attention.slot_mapping`` and ``attention.gather_kv``.
+References: :class:`BlockAllocator` and :class:`BlockTables` below (small versions of
+``tinypaged.block_manager``'s ``BlockPool`` and ``BlockManager``), ``tinypaged.attention.slot_mapping``,
+``tinypaged.attention.gather_kv`` and ``tinypaged.kernels.paged_attention_reference``.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from collections import deque
 import torch
 
 from tinypaged import attention
-from tinypaged.block_manager import blocks_needed
-from tinypaged.checks import register
+from tinypaged.block_manager import BlockManager, BlockPool, blocks_needed
+from tinypaged.checks import Case, register
+from tinypaged.checks._util import raises, rng
+from tinypaged.checks.serving import serving_check
 
 
 class BlockAllocator:
-    """Reference allocator for the exercise: block ids from a FIFO free queue. (Stage 2 has no prefix
-    cache; the engine's ``BlockPool`` adds hashes, and puts freed blocks without one at the head.)"""
+    """Reference allocator: block ids from a FIFO free queue. (Stage 2 has no prefix cache; the engine's
+    ``BlockPool`` adds hashes, and puts freed blocks without one at the head.)"""
 
     def __init__(self, num_blocks: int):
         if num_blocks < 1:
@@ -31,7 +35,7 @@ class BlockAllocator:
         return len(self.queue)
 
     def allocate(self) -> int:
-        """The id of the block at the head of the free queue; raises when none is free."""
+        """The id at the head of the free queue; raises when none is free."""
         if not self.queue:
             raise RuntimeError("no free KV blocks")
         block = self.queue.popleft()
@@ -39,12 +43,89 @@ class BlockAllocator:
         return block
 
     def free(self, block_id: int) -> None:
-        """Return a block to the tail of the free queue; freeing a free block raises."""
+        """Back to the tail of the free queue; freeing a free block raises."""
         if self.is_free[block_id]:
             raise RuntimeError(f"double free of block {block_id}")
         self.is_free[block_id] = True
         self.queue.append(block_id)
 
+
+class BlockTables:
+    """Reference: one block table per sequence, grown a block at a time, all or nothing."""
+
+    def __init__(self, allocator, block_size: int):
+        self.allocator, self.block_size = allocator, block_size
+        self.tables: dict = {}
+
+    def block_ids(self, seq_id) -> list[int]:
+        return list(self.tables.get(seq_id, []))
+
+    def allocate_slots(self, seq_id, num_tokens: int) -> bool:
+        table = self.tables.get(seq_id, [])
+        need = blocks_needed(num_tokens, self.block_size) - len(table)
+        if need > self.allocator.num_free:
+            return False
+        table = self.tables.setdefault(seq_id, table)
+        for _ in range(max(need, 0)):
+            table.append(self.allocator.allocate())
+        return True
+
+    def free(self, seq_id) -> None:
+        for b in reversed(self.tables.pop(seq_id, [])):
+            self.allocator.free(b)
+
+    def slots(self, seq_id, positions) -> list[int]:
+        return attention.slot_mapping(self.tables.get(seq_id, []), list(positions), self.block_size)
+
+
+# ---------------------------------------------------------------- BlockAllocator
+
+def _allocator_workout(seed: int, num_blocks: int, steps: int):
+    def run(cls, t):
+        r = random.Random(seed)
+        a = cls(num_blocks)
+        owned = set()
+        for step in range(steps):
+            if owned and (len(owned) == num_blocks or r.random() < 0.45):
+                b = r.choice(sorted(owned))
+                a.free(b)
+                owned.discard(b)
+                t(f"step {step}: free({b}), then num_free", a.num_free)
+            else:
+                b = t(f"step {step}: allocate()", a.allocate())
+                owned.add(b)
+    return run
+
+
+@register("02", "BlockAllocator", reference=lambda: BlockAllocator, points=2, name="block_allocator",
+          forbidden=lambda: [BlockAllocator, BlockPool, BlockManager])
+def cases_block_allocator(hidden):
+    def fresh(cls, t):
+        a = cls(4)
+        t("num_free of a fresh BlockAllocator(4)", a.num_free)
+        t("4 allocations", [a.allocate() for _ in range(4)])
+        t("num_free after allocating every block", a.num_free)
+        t("allocate() with no free block raises", raises(a.allocate))
+
+    def order(cls, t):
+        a = cls(4)
+        for _ in range(4):
+            a.allocate()
+        a.free(2)
+        a.free(0)
+        t("num_free after free(2), free(0)", a.num_free)
+        t("free(2) again (a double free) raises", raises(lambda: a.free(2)))
+        t("the next two allocations: freed blocks come back in the order they were freed", [a.allocate(), a.allocate()])
+
+    if hidden is None:
+        return [Case("a fresh allocator", fresh, "ids 0, 1, 2, ... from a FIFO queue; no block twice"),
+                Case("free and reuse", order, "freed blocks join the TAIL of the queue"),
+                Case("random workout", _allocator_workout(2, 8, 120), weight=2)]
+    return [Case(f"random workout {k}", _allocator_workout(hidden * 7 + k, 3 + 5 * k, 150), weight=2)
+            for k in range(3)]
+
+
+# ---------------------------------------------------------------- allocate_for (the lesson's function form)
 
 def allocate_for(table: list[int], num_tokens: int, block_size: int, allocator) -> bool:
     """Reference: grow ``table`` to hold ``num_tokens`` tokens, one block at a time, or change nothing."""
@@ -56,119 +137,217 @@ def allocate_for(table: list[int], num_tokens: int, block_size: int, allocator) 
     return True
 
 
-def _raises(fn) -> bool:
-    try:
-        fn()
-    except (AssertionError, NotImplementedError):
-        raise
-    except Exception:
-        return True
-    return False
+@register("02", "allocate_for", reference=lambda: allocate_for, points=1,
+          forbidden=lambda: [allocate_for, BlockTables, BlockManager])
+def cases_allocate_for(hidden):
+    """The function form of ``BlockTables.allocate_slots`` (not in the assignment; kept for the tests)."""
+
+    def basic(fn, t):
+        alloc, table, other = BlockAllocator(6), [], []
+        t("allocate_for([], 1, 4): the result and the table", [fn(table, 1, 4, alloc), list(table)])
+        t("4 tokens still fit one block", [fn(table, 4, 4, alloc), list(table)])
+        t("the 5th token needs a second block", [fn(table, 5, 4, alloc), list(table)])
+        t("another table of 9 tokens", [fn(other, 9, 4, alloc), list(other)])
+        t("16 tokens need 2 more blocks, 1 is free: the result, the table, num_free",
+          [fn(table, 16, 4, alloc), list(table), alloc.num_free])
+
+    def randoms(seed):
+        def run(fn, t):
+            r = random.Random(seed)
+            for bs in (1, 3, 16):
+                alloc, table, n = BlockAllocator(40), [], 0
+                for _ in range(12):
+                    n += r.randint(0, 7)
+                    t(f"block_size {bs}: grow to {n} tokens", [fn(table, n, bs, alloc), list(table), alloc.num_free])
+        return run
+
+    if hidden is None:
+        return [Case("growing", basic, "all or nothing: check before you allocate"), Case("random", randoms(0))]
+    return [Case("random", randoms(hidden), weight=2)]
 
 
-@register("02", "BlockAllocator", reference=lambda: BlockAllocator)
-def check_block_allocator(cls) -> None:
-    a = cls(4)
-    assert a.num_free == 4, f"a fresh BlockAllocator(4) should have 4 free blocks, num_free is {a.num_free}"
-    got = [a.allocate() for _ in range(4)]
-    assert sorted(got) == [0, 1, 2, 3], f"4 allocations from 4 blocks should return ids 0..3 once each, got {got}"
-    assert got == [0, 1, 2, 3], f"a fresh free queue hands out blocks in id order (FIFO), got {got}"
-    assert a.num_free == 0, f"after allocating every block num_free should be 0, got {a.num_free}"
-    assert _raises(a.allocate), "allocate() with no free block must raise, not return a block twice"
-    a.free(2)
-    a.free(0)
-    assert a.num_free == 2, f"after freeing 2 blocks num_free should be 2, got {a.num_free}"
-    assert _raises(lambda: a.free(2)), "freeing a block that is already free (double free) must raise"
-    nxt = [a.allocate(), a.allocate()]
-    assert nxt == [2, 0], f"freed blocks join the tail of the queue, so they come back in the order freed: " \
-                          f"expected [2, 0], got {nxt}"
-    # Random workout against a model of the queue.
-    rng = random.Random(2)
-    a = cls(8)
-    queue, owned = list(range(8)), set()
-    for step in range(200):
-        if owned and (not queue or rng.random() < 0.45):
-            b = rng.choice(sorted(owned))
-            a.free(b)
-            owned.remove(b)
-            queue.append(b)
-        else:
-            b = a.allocate()
-            assert b == queue[0], f"step {step}: expected block {queue[0]} (head of the free queue), got {b}"
-            queue.pop(0)
-            owned.add(b)
-        assert a.num_free == len(queue), f"step {step}: num_free is {a.num_free}, expected {len(queue)}"
+# ---------------------------------------------------------------- slot_mapping
+
+@register("02", "slot_mapping", reference=lambda: attention.slot_mapping, points=1,
+          forbidden=lambda: [attention.slot_mapping, attention.paged_context_slots, BlockManager])
+def cases_slot_mapping(hidden):
+    def one(table, positions, bs, label, hint=""):
+        return Case(label, lambda f, t: t(f"block table {table}, block_size {bs}, positions {positions}",
+                                          [int(s) for s in f(list(table), list(positions), bs)]), hint)
+
+    def randoms(r, n):
+        out = []
+        for _ in range(n):
+            bs = r.choice([1, 2, 4, 16])
+            table = r.sample(range(100), 12)
+            out.append((table, [r.randrange(12 * bs) for _ in range(20)], bs))
+        return out
+
+    if hidden is None:
+        many = randoms(random.Random(1), 20)
+        return [
+            one([7, 2, 9], range(10), 4, "three blocks", "slot = block_table[p // block_size] * block_size + p % block_size"),
+            one([5], [0, 1, 2], 16, "one block"),
+            one([3, 1], [5, -1, -1], 4, "padding", "a negative position is padding: slot -1"),
+            one([4, 0, 2], range(12), 4, "block 0 in the middle"),
+            Case("random tables", lambda f, t: [t(f"table {tb}, block_size {bs}, positions {ps}",
+                                                  [int(s) for s in f(list(tb), list(ps), bs)]) for tb, ps, bs in many],
+                 weight=2),
+        ]
+    many = randoms(rng(hidden, 21), 30)
+    return [Case("random tables", lambda f, t: [t(f"table {tb}, block_size {bs}, positions {ps}",
+                                                  [int(s) for s in f(list(tb), list(ps), bs)]) for tb, ps, bs in many],
+                 weight=2)]
 
 
-@register("02", "allocate_for", reference=lambda: allocate_for)
-def check_allocate_for(fn) -> None:
-    alloc = BlockAllocator(6)
-    table: list[int] = []
-    assert fn(table, 1, 4, alloc) is True, "allocate_for should return True when the blocks were found"
-    assert table == [0], f"1 token with block_size 4 needs 1 block: table should be [0], got {table}"
-    assert fn(table, 4, 4, alloc) is True and table == [0], \
-        f"4 tokens still fit in 1 block of 4: the table should stay [0], got {table}"
-    assert fn(table, 5, 4, alloc) is True and table == [0, 1], \
-        f"the 5th token needs a second block: expected [0, 1], got {table}"
-    other: list[int] = []
-    assert fn(other, 9, 4, alloc) is True and other == [2, 3, 4], \
-        f"9 tokens need ceil(9/4) = 3 blocks: expected [2, 3, 4], got {other}"
-    before = (list(table), alloc.num_free)
-    ok = fn(table, 16, 4, alloc)  # needs 2 more, only 1 free
-    assert ok is False, "allocate_for must return False when there are not enough free blocks"
-    assert (table, alloc.num_free) == before, \
-        f"a failed allocate_for must change nothing: table {before[0]} -> {table}, " \
-        f"free {before[1]} -> {alloc.num_free} (check before you allocate)"
-    assert fn(table, 12, 4, alloc) is True and table == [0, 1, 5], f"expected [0, 1, 5], got {table}"
-    rng = random.Random(0)
-    for bs in (1, 3, 16):
-        alloc = BlockAllocator(160)
-        t: list[int] = []
-        n = 0
-        for _ in range(20):
-            n += rng.randint(0, 7)
-            assert fn(t, n, bs, alloc) is True, f"{n} tokens with block_size {bs} fit in 160 blocks, but got False"
-            assert len(t) == blocks_needed(n, bs), f"{n} tokens with block_size {bs} need {blocks_needed(n, bs)} blocks, table has {len(t)}"
-        assert len(set(t)) == len(t), f"a block appears twice in one table: {t}"
+# ---------------------------------------------------------------- BlockTables
+
+def _tables_workout(seed: int, steps: int):
+    def run(cls, t):
+        r = random.Random(seed)
+        bs = r.choice([1, 2, 4, 16])
+        alloc = BlockAllocator(r.randint(4, 20))
+        bt = cls(alloc, bs)
+        lens: dict = {}
+        for step in range(steps):
+            op = r.random()
+            if lens and op < 0.2:
+                sid = r.choice(sorted(lens))
+                bt.free(sid)
+                del lens[sid]
+                t(f"step {step} (block_size {bs}): free({sid!r}), then num_free",
+                  [alloc.num_free])
+            elif lens and op < 0.35:
+                sid = r.choice(sorted(lens))
+                pos = list(range(0, lens[sid], max(1, lens[sid] // 5)))
+                t(f"step {step}: slots({sid!r}, {pos})", bt.slots(sid, pos))
+            else:
+                sid = r.choice(sorted(lens) + [f"s{step}"]) if lens else f"s{step}"
+                n = lens.get(sid, 0) + r.randint(1, 3 * bs)
+                ok = t(f"step {step} (block_size {bs}): allocate_slots({sid!r}, {n})", bt.allocate_slots(sid, n))
+                t(f"step {step}: block_ids({sid!r}) and num_free", [bt.block_ids(sid), alloc.num_free])
+                if ok:
+                    lens[sid] = n
+        return [[sid, bt.block_ids(sid)] for sid in sorted(lens)]
+    return run
 
 
-@register("02", "slot_mapping", reference=lambda: attention.slot_mapping)
-def check_slot_mapping(fn) -> None:
-    got = [int(s) for s in fn([7, 2, 9], list(range(10)), 4)]
-    want = [28, 29, 30, 31, 8, 9, 10, 11, 36, 37]
-    assert got == want, f"block table [7, 2, 9], block_size 4, positions 0..9: expected {want}, got {got}"
-    got = [int(s) for s in fn([5], [0, 1, 2], 16)]
-    assert got == [80, 81, 82], f"block table [5], block_size 16: positions 0, 1, 2 are slots 80, 81, 82, got {got}"
-    got = [int(s) for s in fn([3, 1], [5, -1, -1], 4)]
-    assert got == [5, -1, -1], f"negative positions are padding and map to slot -1: expected [5, -1, -1], got {got}"
-    rng = random.Random(1)
-    for bs in (1, 2, 16):
-        table = rng.sample(range(100), 12)
-        pos = [rng.randrange(12 * bs) for _ in range(30)]
-        want = [table[p // bs] * bs + p % bs for p in pos]
-        got = [int(s) for s in fn(table, pos, bs)]
-        assert got == want, f"block_size {bs}, table {table}: positions {pos[:5]}... expected {want[:5]}..., got {got[:5]}..."
-    table = [4, 0, 2]
-    slots = [int(s) for s in fn(table, list(range(12)), 4)]
-    assert len(set(slots)) == 12, f"different positions of one sequence must get different slots, got {slots}"
+@register("02", "BlockTables", reference=lambda: BlockTables, points=3, name="block_tables",
+          forbidden=lambda: [BlockTables, BlockManager, BlockPool])
+def cases_block_tables(hidden):
+    def grow(cls, t):
+        alloc = BlockAllocator(6)
+        bt = cls(alloc, 4)
+        t("allocate_slots('x', 1) with block_size 4", bt.allocate_slots("x", 1))
+        t("block_ids('x')", bt.block_ids("x"))
+        t("allocate_slots('x', 4): 4 tokens still fit in one block", [bt.allocate_slots("x", 4), bt.block_ids("x")])
+        t("allocate_slots('x', 5): the 5th token needs a second block", [bt.allocate_slots("x", 5), bt.block_ids("x")])
+        t("allocate_slots('y', 9): ceil(9 / 4) = 3 blocks", [bt.allocate_slots("y", 9), bt.block_ids("y")])
+        t("block_ids of a sequence that holds nothing", bt.block_ids("nobody"))
+        t("allocate_slots('x', 16) needs 2 more blocks, 1 is free", bt.allocate_slots("x", 16))
+        t("a failed allocate_slots changes nothing: block_ids('x') and the allocator's num_free",
+          [bt.block_ids("x"), alloc.num_free])
+        t("allocate_slots('x', 12)", [bt.allocate_slots("x", 12), bt.block_ids("x")])
+
+    def free(cls, t):
+        alloc = BlockAllocator(5)
+        bt = cls(alloc, 2)
+        bt.allocate_slots("a", 5)
+        bt.allocate_slots("b", 3)
+        t("tables of a (5 tokens) and b (3 tokens), block_size 2", [bt.block_ids("a"), bt.block_ids("b")])
+        bt.free("a")
+        t("after free('a'): block_ids('a') and num_free", [bt.block_ids("a"), alloc.num_free])
+        t("the next three allocations come from a's blocks, freed last block first",
+          [alloc.allocate() for _ in range(3)])
+
+    def slots(cls, t):
+        alloc = BlockAllocator(8)
+        for _ in range(3):
+            alloc.allocate()  # blocks 0, 1, 2 belong to someone else
+        bt = cls(alloc, 4)
+        bt.allocate_slots("s", 10)
+        t("slots('s', 0..9): through the table", bt.slots("s", range(10)))
+
+    if hidden is None:
+        return [Case("growing tables", grow, "ceil(num_tokens / block_size) blocks; check before you allocate"),
+                Case("freeing", free, "free a table's blocks from its last block to its first"),
+                Case("slots", slots, "use your slot_mapping"),
+                Case("random workout", _tables_workout(5, 40), weight=2)]
+    return [Case(f"random workout {k}", _tables_workout(hidden * 13 + k, 60), weight=2) for k in range(3)]
 
 
-@register("02", "gather_kv", reference=lambda: attention.gather_kv)
-def check_gather_kv(fn) -> None:
-    g = torch.Generator().manual_seed(0)
-    num_blocks, bs, kvh, d = 10, 4, 2, 3
-    cache = torch.randn(num_blocks, bs, kvh, d, generator=g, dtype=torch.float64)
-    for table, n in (([7, 2, 9], 10), ([3], 1), ([0, 1], 8), ([5, 8, 1, 4], 13)):
-        out = fn(cache, table, n)
-        assert isinstance(out, torch.Tensor), f"gather_kv should return a tensor, got {type(out).__name__}"
-        assert tuple(out.shape) == (n, kvh, d), \
-            f"table {table}, context_len {n}: expected shape {(n, kvh, d)}, got {tuple(out.shape)}"
-        want = torch.stack([cache[table[j // bs], j % bs] for j in range(n)])
-        if not torch.equal(out, want):
-            bad = next(j for j in range(n) if not torch.equal(out[j], want[j]))
-            assert False, f"table {table}, context_len {n}: key {bad} should come from block {table[bad // bs]}, " \
-                          f"row {bad % bs} (block_table[j // block_size], j % block_size)"
-    table = torch.tensor([6, 3, 0], dtype=torch.int32)
-    out = fn(cache, table, 9)
-    want = torch.cat([cache[6], cache[3], cache[0, :1]])
-    assert torch.equal(out, want), "gather_kv should accept a block table given as an int32 tensor"
+# ---------------------------------------------------------------- gather_kv
+
+@register("02", "gather_kv", reference=lambda: attention.gather_kv, points=2,
+          forbidden=lambda: [attention.gather_kv, attention.paged_context_slots])
+def cases_gather_kv(hidden):
+    def make(seed, num_blocks=10, bs=4, kvh=2, d=3):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(num_blocks, bs, kvh, d, generator=g, dtype=torch.float64)
+
+    def one(table, n, label, as_tensor=False, seed=0, bs=4):
+        def run(f, t):
+            cache = make(seed, bs=bs)
+            tb = torch.tensor(table, dtype=torch.int32) if as_tensor else list(table)
+            out = f(cache, tb, n)
+            t(f"gather_kv(cache [10, {bs}, 2, 3], table {table}, context_len {n})", out)
+        return Case(label, run, "row j is cache[block_table[j // block_size], j % block_size]")
+
+    if hidden is None:
+        return [one([7, 2, 9], 10, "three blocks"), one([3], 1, "one token"), one([0, 1], 8, "two full blocks"),
+                one([5, 8, 1, 4], 13, "a table longer than needed"),
+                one([6, 3, 0], 9, "an int32 tensor table", as_tensor=True)]
+    r = rng(hidden, 22)
+    cases = []
+    for k in range(6):
+        bs = r.choice([1, 2, 4])
+        n = r.randint(1, 10 * bs // 2)
+        table = r.sample(range(10), blocks_needed(n, bs) + r.randint(0, 1))
+        cases.append(one(table, n, f"random table {k}", as_tensor=bool(k % 2), seed=hidden + k, bs=bs))
+    return cases
+
+
+# ---------------------------------------------------------------- decode attention over pages
+
+def _kernels():
+    from tinypaged import kernels
+
+    return kernels
+
+
+@register("02", "paged_attention", reference=lambda: _kernels().paged_attention_reference, points=2,
+          name="paged_attention_torch",
+          forbidden=lambda: [_kernels().paged_attention_reference, _kernels().gather_then_attend,
+                             _kernels().paged_attention_decode, attention.attend_gathered])
+def cases_paged_attention(hidden):
+    shapes = [(2, 2, 8, 4, [5]), (4, 2, 8, 4, [1, 8, 13]), (6, 2, 16, 8, [20, 3])] if hidden is None else \
+        [(9, 3, 16, 4, [hidden % 17 + 1, 9, 30]), (4, 1, 8, 2, [7, hidden % 5 + 1])]
+
+    def one(i, h, kvh, d, bs, lens):
+        def run(f, t):
+            from tinypaged.kernels import random_paged_batch
+
+            q, kc, vc, tables, seq_lens = random_paged_batch(lens, h, kvh, d, bs, dtype=torch.float64,
+                                                             seed=(hidden or 0) + i, pad_block=0)
+            kc[0], vc[0] = 30.0, 100.0  # unused table entries point at block 0: reading past the end shows
+            out = f(q, kc, vc, tables, seq_lens, d ** -0.5)
+            t(f"{h} query heads over {kvh} KV heads, head_dim {d}, block_size {bs}, seq_lens {lens}", out)
+        return Case(f"batch {i}", run, "query head h reads KV head h // (num_heads // num_kv_heads); "
+                                       "only the first seq_lens[s] tokens count", tol=1e-9)
+
+    return [one(i, *s) for i, s in enumerate(shapes)]
+
+
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _blocks_back(llm, outs) -> bool:
+    kv = llm.llm_engine.kv
+    return kv.usage == 0
+
+
+serving_check("02", "serve_paged", prompts=("Once upon a time", "Paged attention splits the cache into blocks of"),
+              max_tokens=8,
+              engine_kwargs=dict(block_size=4, num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=2,
+                                 dtype="float32", device="cpu"),
+              facts=[("every block was back in the free queue at the end", _blocks_back)],
+              uses=("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"))

@@ -1,19 +1,25 @@
-"""Stage 3 checks: reference counting with copy-on-write, and prefix-cache lookup by hash chain.
+"""Stage 3 checks: sharing blocks (fork, copy-on-write, freeing) and prefix caching (hash chains, an
+LRU free queue with a hash index, the longest cached prefix).
 
-The learner's data structures are deliberately plain: a block table is a list of block ids,
-``refcounts`` a dict from block id to the number of tables holding it, and ``allocator`` any object
-with ``allocate() -> int`` and ``free(block_id)`` (stage 2's ``BlockAllocator``). The references
-below are small versions of what ``tinypaged.block_manager.BlockManager`` does with ``Block``
-objects (``fork``, the copy-on-write in ``allocate_slots``, ``free``, ``get_computed_blocks``).
+The learner's data structures are plain: a block table is a list of block ids, ``refcounts`` a dict
+from block id to the number of tables holding it, ``allocator`` any object with ``allocate() -> int``
+and ``free(block_id)``. The references below are small versions of what
+``tinypaged.block_manager`` does with ``Block`` objects (``BlockManager.fork``, the copy-on-write in
+``allocate_slots``, ``free``, ``BlockPool``'s LRU and hash index, ``get_computed_blocks``).
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 
-from tinypaged.block_manager import hash_block_tokens, hash_chain
-from tinypaged.checks import register
+from tinypaged.block_manager import BlockManager, BlockPool, hash_block_tokens, hash_chain
+from tinypaged.checks import Case, register
+from tinypaged.checks._util import raises, rng
+from tinypaged.checks.serving import serving_check
 
+
+# ---------------------------------------------------------------- references
 
 def fork(table: list[int], refcounts: dict[int, int]) -> list[int]:
     """The child's table: the same blocks, each held by one more table. Nothing is copied."""
@@ -23,12 +29,7 @@ def fork(table: list[int], refcounts: dict[int, int]) -> list[int]:
 
 
 def append_slot(table: list[int], num_tokens: int, block_size: int, refcounts: dict[int, int], allocator):
-    """Make room for the token at position ``num_tokens``; return a ``(src, dst)`` copy or None.
-
-    A full (or missing) last block means a new block. A partially filled last block shared with
-    another table must not be written: take a fresh block, drop one reference to the shared one,
-    and return the copy the engine must make before the forward (copy-on-write).
-    """
+    """Make room for the token at position ``num_tokens``; return a ``(src, dst)`` copy or None."""
     if num_tokens % block_size == 0:
         new = allocator.allocate()
         refcounts[new] = 1
@@ -54,149 +55,384 @@ def free_table(table: list[int], refcounts: dict[int, int], allocator) -> None:
     table.clear()
 
 
-def longest_cached_prefix(token_ids: list[int], block_size: int, cache: dict[bytes, int]) -> list[int]:
-    """Block ids of the longest run of cached full blocks from the start, capped at len - 1 tokens."""
-    hit = []
-    for h in hash_chain(token_ids[: len(token_ids) - 1], block_size):
-        if h not in cache:
-            break
-        hit.append(cache[h])
-    return hit
+class PrefixCache:
+    """Blocks with reference counts, a free queue that doubles as an LRU cache, and a hash index.
 
+    Invariants: a block is in the free queue exactly when its count is 0; the index maps a hash to a
+    block whose current content is that prefix (allocation forgets a reused block's old hash). Freed
+    blocks with a hash join the tail (the LRU order), freed blocks without one the head.
+    """
 
-class _Allocator:
-    """A FIFO free queue of block ids (stage 2's allocator) that also counts what it hands out."""
+    def __init__(self, num_blocks: int):
+        self.refs = [0] * num_blocks
+        self.queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.hash_of: dict[int, bytes] = {}
+        self.index: dict[bytes, int] = {}
 
-    def __init__(self, n: int):
-        self.queue = list(range(n))
-        self.allocated = 0
+    @property
+    def num_free(self) -> int:
+        return len(self.queue)
+
+    def ref_count(self, block_id: int) -> int:
+        return self.refs[block_id]
 
     def allocate(self) -> int:
         if not self.queue:
             raise RuntimeError("no free blocks")
-        self.allocated += 1
+        b, _ = self.queue.popitem(last=False)
+        h = self.hash_of.pop(b, None)
+        if h is not None and self.index.get(h) == b:
+            del self.index[h]  # the block is about to be overwritten: its hash is stale
+        self.refs[b] = 1
+        return b
+
+    def free(self, block_id: int) -> None:
+        if self.refs[block_id] <= 0:
+            raise RuntimeError(f"block {block_id} is already free")
+        self.refs[block_id] -= 1
+        if self.refs[block_id] == 0:
+            self.queue[block_id] = None  # to the tail, keeping its hash: cached until evicted
+            if block_id not in self.hash_of:
+                self.queue.move_to_end(block_id, last=False)  # caches nothing: reuse it first (vLLM v1)
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        self.hash_of[block_id] = block_hash
+        self.index.setdefault(block_hash, block_id)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.index.get(block_hash)
+
+    def touch(self, block_id: int) -> None:
+        if self.refs[block_id] == 0:
+            del self.queue[block_id]  # a hit on a free cached block takes it out of the queue
+        self.refs[block_id] += 1
+
+
+def longest_cached_prefix(token_ids: list[int], block_size: int, cache) -> list[int]:
+    """Block ids of the longest run of cached full blocks from the start, capped at len - 1 tokens."""
+    hit = []
+    for h in hash_chain(token_ids[: len(token_ids) - 1], block_size):
+        b = cache.lookup(h)
+        if b is None:
+            break
+        hit.append(b)
+    return hit
+
+
+class _Allocator:
+    """A FIFO free queue of block ids (stage 2's allocator) that also reports its queue."""
+
+    def __init__(self, n: int):
+        self.queue = list(range(n))
+
+    def allocate(self) -> int:
+        if not self.queue:
+            raise RuntimeError("no free blocks")
         return self.queue.pop(0)
 
     def free(self, block_id: int) -> None:
-        assert block_id not in self.queue, f"block {block_id} was freed twice"
+        if block_id in self.queue:
+            raise RuntimeError(f"block {block_id} was freed twice")
         self.queue.append(block_id)
 
 
-@register("03", "fork", reference=lambda: fork)
-def check_fork_table(fn) -> None:
-    refs = {3: 1, 7: 1, 1: 2}
-    table = [3, 7, 1]
-    child = fn(table, refs)
-    assert child == [3, 7, 1], f"the child's table lists the parent's blocks in order: expected [3, 7, 1], got {child}"
-    assert child is not table, "return a new list: the child appends to its own table later"
-    assert table == [3, 7, 1], f"fork must not change the parent's table, it became {table}"
-    assert refs == {3: 2, 7: 2, 1: 3}, f"each block is now held by one more table: expected {{3: 2, 7: 2, 1: 3}}, got {refs}"
-    child.append(9)
-    assert table == [3, 7, 1], "appending to the child changed the parent's table: copy the list"
-    assert fn([], {}) == [], "forking an empty table gives an empty table"
+# ---------------------------------------------------------------- fork
+
+@register("03", "fork", reference=lambda: fork, points=1, forbidden=lambda: [fork, BlockManager], name="fork_table")
+def cases_fork(hidden):
+    def basic(f, t):
+        refs = {3: 1, 7: 1, 1: 2}
+        table = [3, 7, 1]
+        child = f(table, refs)
+        t("fork([3, 7, 1], {3: 1, 7: 1, 1: 2}): the child's table", child)
+        t("the refcounts after the fork", refs)
+        t("the parent's table after the fork", table)
+        child.append(9)
+        t("the parent's table after the child appends 9 (the child must own a new list)", table)
+        t("fork of an empty table", f([], {}))
+
+    def randoms(seed):
+        def run(f, t):
+            r = random.Random(seed)
+            refs = {b: r.randint(1, 3) for b in range(20)}
+            for k in range(10):
+                table = r.sample(range(20), r.randint(0, 6))
+                t(f"fork({table}) and the refcounts", [f(list(table), refs), dict(sorted(refs.items()))])
+        return run
+
+    if hidden is None:
+        return [Case("basic", basic, "share, don't copy: the same ids in a new list, each count + 1"),
+                Case("random tables", randoms(3))]
+    return [Case("random tables", randoms(hidden), weight=2)]
 
 
-@register("03", "append_slot", reference=lambda: append_slot)
-def check_append_slot(fn) -> None:
+# ---------------------------------------------------------------- append_slot
+
+def _cow_workout(seed: int, steps: int, bs: int):
+    def run(fn, t):
+        r = random.Random(seed)
+        alloc, refs = _Allocator(400), {}
+        tables, lens = [[]], [0]
+        for step in range(steps):
+            i = r.randrange(len(lens))
+            if r.random() < 0.15 and len(lens) < 6:
+                tables.append(fork(tables[i], refs))
+                lens.append(lens[i])
+                continue
+            out = fn(tables[i], lens[i], bs, refs, alloc)
+            t(f"step {step}: append_slot(table {i}, position {lens[i]}, block_size {bs}) returns, then the table "
+              f"and the refcounts", [out, tables[i], dict(sorted(refs.items()))])
+            lens[i] += 1
+    return run
+
+
+@register("03", "append_slot", reference=lambda: append_slot, points=3,
+          forbidden=lambda: [append_slot, BlockManager])
+def cases_append_slot(hidden):
+    def private(fn, t):
+        alloc, refs, table = _Allocator(8), {}, []
+        t("a private table writes positions 0..5 (block_size 4): what append_slot returns",
+          [fn(table, n, 4, refs, alloc) for n in range(6)])
+        t("its table and refcounts", [table, refs])
+
+    def shared(fn, t):
+        alloc, refs, table = _Allocator(8), {}, []
+        for n in range(6):
+            append_slot(table, n, 4, refs, alloc)
+        child = fork(table, refs)  # both hold 6 tokens; block 1 is shared and partly filled
+        t("the child writes position 6 into shared, partly filled block 1", fn(child, 6, 4, refs, alloc))
+        t("the child's table and the refcounts", [child, refs])
+        t("the parent, now block 1's only holder, writes position 6", fn(table, 6, 4, refs, alloc))
+        t("the parent's table and the refcounts", [table, refs])
+        child2 = fork(table, refs)  # both hold 7 tokens: block 1 is shared again
+        t("the parent writes position 7, then its child writes position 7",
+          [fn(table, 7, 4, refs, alloc), fn(child2, 7, 4, refs, alloc)])
+        t("position 8 starts a new block in each table: nothing to copy",
+          [fn(table, 8, 4, refs, alloc), fn(child2, 8, 4, refs, alloc)])
+        t("tables and refcounts: full blocks stay shared", [table, child2, dict(sorted(refs.items()))])
+
+    if hidden is None:
+        return [Case("a private table", private, "take a block when a position starts one; nothing to copy"),
+                Case("copy-on-write", shared, "a shared, partly filled last block is copied to a fresh one before "
+                                              "writing; the writer's reference moves to the copy"),
+                Case("random workout", _cow_workout(3, 150, 4), weight=2)]
+    r = rng(hidden, 31)
+    return [Case(f"random workout {k}", _cow_workout(hidden * 5 + k, 200, r.choice([1, 2, 3, 4, 16])), weight=2)
+            for k in range(3)]
+
+
+# ---------------------------------------------------------------- free_table
+
+@register("03", "free_table", reference=lambda: free_table, points=1, forbidden=lambda: [free_table, BlockManager])
+def cases_free_table(hidden):
+    def basic(fn, t):
+        alloc = _Allocator(0)
+        refs = {4: 1, 5: 2, 6: 1}
+        table = [4, 5, 6]
+        fn(table, refs, alloc)
+        t("free_table([4, 5, 6], {4: 1, 5: 2, 6: 1}): the allocator's free queue", alloc.queue)
+        t("the refcounts", refs)
+        t("the freed table", table)
+
+    def randoms(seed):
+        def run(fn, t):
+            r = random.Random(seed)
+            alloc, refs = _Allocator(60), {}
+            tables = []
+            for _ in range(5):
+                tb = []
+                for n in range(r.randint(1, 12)):
+                    append_slot(tb, n, 2, refs, alloc)
+                tables.append(tb)
+                if r.random() < 0.6:
+                    tables.append(fork(tb, refs))
+            r.shuffle(tables)
+            for k, tb in enumerate(tables):
+                fn(tb, refs, alloc)
+                t(f"after freeing table {k}: the free queue's last 8 and the refcounts",
+                  [alloc.queue[-8:], dict(sorted(refs.items()))])
+        return run
+
+    if hidden is None:
+        return [Case("basic", basic, "tail first; a block goes back only when nobody holds it"),
+                Case("random tables", randoms(4))]
+    return [Case("random tables", randoms(hidden), weight=2)]
+
+
+# ---------------------------------------------------------------- hash_chain
+
+@register("03", "hash_chain", reference=lambda: hash_chain, points=1,
+          forbidden=lambda: [hash_chain, BlockManager])
+def cases_hash_chain(hidden):
+    def basic(fn, t):
+        toks = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+        t("hash_chain(10 tokens, block_size 4): two full blocks, as hex", fn(toks, 4))
+        t("the same second block after a different first block", fn([0, 0, 0, 0, 9, 10, 11, 12], 4))
+        t("fewer tokens than a block", fn([1, 2, 3], 4))
+
+    def randoms(seed, n):
+        def run(fn, t):
+            r = random.Random(seed)
+            for _ in range(n):
+                toks = [r.randrange(5) for _ in range(r.randrange(30))]
+                bs = r.choice([1, 2, 3, 16])
+                t(f"hash_chain({toks}, {bs})", fn(toks, bs))
+        return run
+
+    if hidden is None:
+        return [Case("basic", basic, "hash i = hash_block_tokens(hash i-1 (None for the first), block i's tokens); "
+                                     "a partial block gets no hash"),
+                Case("random token lists", randoms(1, 20))]
+    return [Case("random token lists", randoms(hidden, 30), weight=2)]
+
+
+# ---------------------------------------------------------------- PrefixCache
+
+def _cache_workout(seed: int, steps: int, num_blocks: int):
+    def run(cls, t):
+        r = random.Random(seed)
+        c = cls(num_blocks)
+        held: list[int] = []
+        hashes = [hash_block_tokens(None, [k]) for k in range(12)]
+        for step in range(steps):
+            op = r.random()
+            if held and op < 0.3:
+                b = held.pop(r.randrange(len(held)))
+                c.free(b)
+                t(f"step {step}: free({b}), then num_free", c.num_free)
+            elif op < 0.5:
+                h = r.randrange(len(hashes))
+                got = t(f"step {step}: lookup(hash {h})", c.lookup(hashes[h]))
+                if got is not None and r.random() < 0.7:
+                    c.touch(got)
+                    held.append(got)
+                    t(f"step {step}: touch({got}), then ref_count and num_free", [c.ref_count(got), c.num_free])
+            elif held and op < 0.65:
+                b = r.choice(held)
+                h = r.randrange(len(hashes))
+                c.register(b, hashes[h])
+                t(f"step {step}: register({b}, hash {h}), then lookup(hash {h})", c.lookup(hashes[h]))
+            elif c.num_free:
+                b = t(f"step {step}: allocate()", c.allocate())
+                held.append(b)
+                t(f"step {step}: ref_count({b})", c.ref_count(b))
+        t("lookup of every hash at the end", [c.lookup(h) for h in hashes])
+    return run
+
+
+@register("03", "PrefixCache", reference=lambda: PrefixCache, points=4, name="prefix_cache",
+          forbidden=lambda: [PrefixCache, BlockPool, BlockManager])
+def cases_prefix_cache(hidden):
+    h = [hash_block_tokens(None, [k]) for k in range(6)]
+
+    def lru(cls, t):
+        c = cls(4)
+        blocks = [c.allocate() for _ in range(4)]
+        t("4 allocations from a fresh PrefixCache(4)", blocks)
+        for b, hh in zip(blocks, h):
+            c.register(b, hh)
+        t("lookup of the 4 registered hashes while in use", [c.lookup(x) for x in h[:4]])
+        for b in (2, 0, 3):
+            c.free(b)
+        t("after free(2), free(0), free(3): num_free, and lookups still hit (freed blocks stay cached)",
+          [c.num_free, [c.lookup(x) for x in h[:4]]])
+        t("allocate() evicts the least recently freed block", c.allocate())
+        t("its old hash is stale now: lookup of every hash", [c.lookup(x) for x in h[:4]])
+
+    def touch(cls, t):
+        c = cls(3)
+        a, b = c.allocate(), c.allocate()
+        c.register(a, h[0])
+        c.free(a)
+        t("a freed, cached block: num_free and ref_count", [c.num_free, c.ref_count(a)])
+        c.touch(a)
+        t("touch() on a hit takes it out of the free queue: num_free and ref_count", [c.num_free, c.ref_count(a)])
+        t("the next allocation cannot be the touched block", c.allocate())
+        c.touch(b)
+        t("touch() on a block in use: its ref_count", c.ref_count(b))
+        c.free(b)
+        t("one free(): still held once", [c.ref_count(b), c.num_free])
+
+    def errors(cls, t):
+        c = cls(2)
+        x = c.allocate()
+        c.free(x)
+        t("freeing a free block raises", raises(lambda: c.free(x)))
+        c.allocate(), c.allocate()
+        t("allocate() with nothing free raises", raises(c.allocate))
+
+    def duplicate(cls, t):
+        c = cls(3)
+        a, b = c.allocate(), c.allocate()
+        c.register(a, h[1])
+        c.register(b, h[1])  # two requests computed the same block in one step
+        t("two blocks registered under one hash: lookup returns the first", c.lookup(h[1]))
+
+    if hidden is None:
+        return [Case("LRU and stale hashes", lru, "allocation takes the head of the free queue and forgets that "
+                                                  "block's hash; freed blocks keep theirs"),
+                Case("hits take blocks out of the queue", touch),
+                Case("errors", errors),
+                Case("one hash, two blocks", duplicate),
+                Case("random workout", _cache_workout(6, 120, 6), weight=2)]
+    return [Case(f"random workout {k}", _cache_workout(hidden * 11 + k, 150, 3 + 3 * k), weight=2) for k in range(3)]
+
+
+# ---------------------------------------------------------------- longest_cached_prefix
+
+class _Index:
+    """A read-only cache for the lookup check: ``lookup(hash)`` from a dict."""
+
+    def __init__(self, index):
+        self.index = dict(index)
+
+    def lookup(self, block_hash):
+        return self.index.get(block_hash)
+
+
+@register("03", "longest_cached_prefix", reference=lambda: longest_cached_prefix, points=2,
+          forbidden=lambda: [longest_cached_prefix, BlockManager])
+def cases_longest_cached_prefix(hidden):
     bs = 4
-    alloc = _Allocator(8)
-    refs: dict[int, int] = {}
-    table: list[int] = []
-    for n in range(6):  # positions 0..5: blocks are taken when a position starts one
-        out = fn(table, n, bs, refs, alloc)
-        assert out is None, f"a private table never copies; position {n} returned {out}"
-    assert table == [0, 1] and refs == {0: 1, 1: 1}, \
-        f"6 tokens in blocks of 4 need blocks [0, 1] with one reference each; got table {table}, refcounts {refs}"
-    child = fork(table, refs)  # both hold 6 tokens; block 1 is shared and partially filled
-    out = fn(child, 6, bs, refs, alloc)
-    assert out == (1, 2), f"writing position 6 into shared, partial block 1 must copy it to a fresh block: " \
-                          f"expected (1, 2), got {out}"
-    assert child == [0, 2], f"the writer's table now ends with its private copy: expected [0, 2], got {child}"
-    assert refs == {0: 2, 1: 1, 2: 1}, f"block 1 lost the writer's reference, block 2 has one: expected " \
-                                       f"{{0: 2, 1: 1, 2: 1}}, got {refs}"
-    out = fn(table, 6, bs, refs, alloc)
-    assert out is None and table == [0, 1], \
-        f"the last holder of block 1 writes in place (no copy): got {out}, table {table}"
-    before = alloc.allocated
-    child2 = fork(table, refs)  # 7 tokens each after the write... a full block is never copied
-    for t in (table, child2):
-        t_out = fn(t, 8, bs, refs, alloc)
-        assert t_out is None, f"position 8 starts a new block: nothing to copy, got {t_out}"
-    assert alloc.allocated - before == 2 and table[:2] == child2[:2] and table[2] != child2[2], \
-        f"at a block boundary each table takes its own new block and keeps sharing the full ones: {table}, {child2}"
-    assert refs[0] == 3 and refs[1] == 2, f"full blocks stay shared: refcounts {refs}"
-    # random workout against the reference
-    rng = random.Random(3)
-    a1, a2 = _Allocator(200), _Allocator(200)
-    r1: dict[int, int] = {}
-    r2: dict[int, int] = {}
-    t1: list[list[int]] = [[]]
-    t2: list[list[int]] = [[]]
-    lens = [0]
-    for step in range(150):
-        i = rng.randrange(len(lens))
-        if rng.random() < 0.15 and len(lens) < 6:
-            t1.append(fork(t1[i], r1))
-            t2.append(fork(t2[i], r2))
-            lens.append(lens[i])
-            continue
-        got = fn(t1[i], lens[i], bs, r1, a1)
-        want = append_slot(t2[i], lens[i], bs, r2, a2)
-        assert got == want and t1 == t2 and r1 == r2, \
-            f"step {step}: appending position {lens[i]} to table {i}: returned {got} (expected {want}), " \
-            f"tables {t1} (expected {t2}), refcounts {r1} (expected {r2})"
-        lens[i] += 1
+    cached = list(range(100, 112))  # a 12-token prompt computed into blocks 20, 21, 22
+    index = dict(zip(hash_chain(cached, bs), [20, 21, 22]))
+
+    def one(tokens, label, idx=index, hint=""):
+        return Case(label, lambda f, t: t(f"longest_cached_prefix({tokens}, {bs}, cache of blocks "
+                                          f"{sorted(idx.values())})", f(list(tokens), bs, _Index(idx))), hint)
+
+    if hidden is None:
+        return [
+            one(cached[:8] + [1, 2, 3, 4, 5], "two blocks match"),
+            one(cached + [7], "a longer prompt hits all three"),
+            one(cached, "the same prompt again", hint="capped at len - 1 tokens: one token must run through the model"),
+            one(cached[:3], "shorter than a block"),
+            one([0] + cached[1:], "a different first block", hint="the chain: nothing after a miss can hit"),
+            one(cached + [7], "a missing middle block", {k: v for k, v in index.items() if v != 21}),
+        ]
+    r = rng(hidden, 33)
+    cases = []
+    for k in range(8):
+        toks = cached[: r.randint(0, 12)] + [r.randrange(3) for _ in range(r.randint(0, 9))]
+        if not toks:
+            toks = [1]
+        drop = r.choice([None, 20, 21, 22])
+        cases.append(one(toks, f"random prompt {k}", {a: b for a, b in index.items() if b != drop}))
+    return cases
 
 
-@register("03", "free_table", reference=lambda: free_table)
-def check_free_table(fn) -> None:
-    alloc = _Allocator(0)
-    refs = {4: 1, 5: 2, 6: 1}
-    table = [4, 5, 6]
-    fn(table, refs, alloc)
-    assert alloc.queue == [6, 4], f"blocks nobody holds return to the free queue tail first: expected [6, 4], " \
-                                  f"got {alloc.queue}"
-    assert refs.get(5) == 1, f"block 5 is still held by another table: its refcount should be 1, got {refs.get(5)}"
-    assert refs.get(4, 0) == 0 and refs.get(6, 0) == 0, f"freed blocks have no references left: {refs}"
-    assert table == [], f"the freed table should be emptied, got {table}"
+# ---------------------------------------------------------------- serving SmolLM2
+
+def _hits(llm, outs) -> bool:
+    return outs[2].metrics.num_cached_tokens > 0
 
 
-@register("03", "hash_chain", reference=lambda: hash_chain)
-def check_hash_chain(fn) -> None:
-    toks = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-    got = fn(toks, 4)
-    assert isinstance(got, list) and len(got) == 2, \
-        f"10 tokens in blocks of 4 make 2 full blocks, so 2 hashes (a partial block is never hashed); got {got!r}"
-    h0 = hash_block_tokens(None, [5, 6, 7, 8])
-    assert got[0] == h0, "the first hash is hash_block_tokens(None, first block's tokens)"
-    assert got[1] == hash_block_tokens(h0, [9, 10, 11, 12]), \
-        "each later hash is hash_block_tokens(previous hash, this block's tokens): the chain"
-    other = fn([0, 0, 0, 0, 9, 10, 11, 12], 4)
-    assert other[1] != got[1], "the same block after a different prefix must hash differently"
-    assert fn([1, 2, 3], 4) == [], "fewer tokens than a block: no hash"
-    rng = random.Random(1)
-    for _ in range(20):
-        t = [rng.randrange(5) for _ in range(rng.randrange(30))]
-        bs = rng.choice([1, 2, 3, 16])
-        assert fn(t, bs) == hash_chain(t, bs), f"hash_chain({t}, {bs}) differs from the reference"
-
-
-@register("03", "longest_cached_prefix", reference=lambda: longest_cached_prefix)
-def check_longest_cached_prefix(fn) -> None:
-    bs = 4
-    cached = list(range(100, 112))  # a 12-token prompt that was computed into blocks 20, 21, 22
-    cache = dict(zip(hash_chain(cached, bs), [20, 21, 22]))
-    got = fn(cached[:8] + [1, 2, 3, 4, 5], bs, cache)
-    assert got == [20, 21], f"the first two blocks match: expected [20, 21], got {got}"
-    got = fn(cached + [7], bs, cache)
-    assert got == [20, 21, 22], f"a 13-token prompt extending the cached 12 hits all 3 blocks, got {got}"
-    got = fn(cached, bs, cache)
-    assert got == [20, 21], "the same 12-token prompt again: the hit is capped at len - 1 = 11 tokens, so 2 blocks " \
-                            f"(one token must still run through the model to give logits); got {got}"
-    got = fn(cached[:3], bs, cache)
-    assert got == [], f"a prompt shorter than a block can never hit, got {got}"
-    got = fn([0] + cached[1:], bs, cache)
-    assert got == [], f"a different first block misses, and so does everything after it (the chain), got {got}"
-    partial = {k: v for k, v in cache.items() if v != 21}  # block 21 evicted: 22 is unreachable
-    got = fn(cached + [7], bs, partial)
-    assert got == [20], f"a hit stops at the first missing block, even if later ones are cached: expected [20], got {got}"
+_SYSTEM = "You are a helpful assistant."
+serving_check("03", "serve_prefix_cache",
+              prompts=(f"{_SYSTEM} The capital of France is", f"{_SYSTEM} Name three fruits:",
+                       f"{_SYSTEM} The capital of France is"),
+              max_tokens=8,
+              engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64, max_num_seqs=1,
+                                 enable_prefix_caching=True, dtype="float32", device="cpu"),
+              facts=[("the third request found its prefix in the cache", _hits)],
+              uses=("hash_chain", "PrefixCache", "longest_cached_prefix"))

@@ -1,0 +1,183 @@
+"""Notebook conventions for assignments (nbgrader's cell metadata plus the stage) and submission assembly.
+
+A solution notebook ``solutions/NN_name.ipynb`` carries ``metadata.tinypaged.stage = "NN"`` and, on
+every cell that matters, nbgrader's metadata (``metadata.nbgrader``, schema 3):
+
+* solution cell (the learner writes it): ``solution: true``, ``grade: false``, ``locked: false``;
+* test cell (autograded): ``grade: true``, ``solution: false``, ``locked: true``, ``points``;
+* read-only cell (given code and instructions): ``locked: true``, ``grade: false``, ``solution: false``;
+* free-response answer (manually graded, markdown): ``grade: true``, ``solution: true``, ``points``.
+
+Every one of them has a unique ``grade_id``. Before a submission runs, :func:`assemble` puts the
+instructor's version of every locked and test cell back (hidden tests included), keeps the learner's
+solution cells and any cells the learner added, and marks which cells are the learner's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from pathlib import Path
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+STUB = 'raise NotImplementedError("not implemented yet")'
+LEARNER = "learner"  # metadata.tinypaged.role of cells whose code the learner controls
+
+
+def source_of(cell) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def nbgrader_meta(cell) -> dict:
+    meta = cell.get("metadata", {}).get("nbgrader")
+    return meta if isinstance(meta, dict) else {}
+
+
+def grade_id(cell) -> str | None:
+    gid = nbgrader_meta(cell).get("grade_id")
+    return gid if isinstance(gid, str) and gid else None
+
+
+def is_solution(cell) -> bool:
+    return bool(nbgrader_meta(cell).get("solution"))
+
+
+def is_test(cell) -> bool:
+    """An autograded test cell: a code cell with ``grade`` and without ``solution``."""
+    m = nbgrader_meta(cell)
+    return cell.get("cell_type") == "code" and bool(m.get("grade")) and not m.get("solution")
+
+
+def is_manual(cell) -> bool:
+    """A manually graded answer (free response): ``grade`` and ``solution`` together."""
+    m = nbgrader_meta(cell)
+    return bool(m.get("grade")) and bool(m.get("solution"))
+
+
+def points(cell) -> float:
+    try:
+        return float(nbgrader_meta(cell).get("points", 0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def stage_of(nb: dict, path: Path | None = None) -> str | None:
+    """The stage recorded in the notebook (``metadata.tinypaged.stage``); else the file name's NN_ prefix."""
+    stage = nb.get("metadata", {}).get("tinypaged", {}).get("stage")
+    if isinstance(stage, str) and re.fullmatch(r"\d\d", stage):
+        return stage
+    if path is not None and re.match(r"\d\d_", Path(path).name):
+        return Path(path).name[:2]
+    return None
+
+
+def source_for_stage(stage: str, solutions: Path) -> Path:
+    found = sorted(Path(solutions).glob(f"{stage}_*.ipynb"))
+    if not found:
+        raise FileNotFoundError(f"no solution notebook for stage {stage} in {solutions}")
+    return found[0]
+
+
+def strip_solutions(source: str) -> str:
+    """Replace every BEGIN/END SOLUTION region with the stub at its indentation (as nbgrader does)."""
+    out, inside = [], False
+    for line in source.splitlines(keepends=True):
+        stripped = line.strip()
+        if stripped == BEGIN:
+            if inside:
+                raise ValueError("nested BEGIN SOLUTION")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}{STUB}\n")
+        elif stripped == END:
+            if not inside:
+                raise ValueError("END SOLUTION without BEGIN SOLUTION")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError("BEGIN SOLUTION without END SOLUTION")
+    return "".join(out)
+
+
+def _mark(cell, role: str) -> dict:
+    cell.setdefault("metadata", {}).setdefault("tinypaged", {})["role"] = role
+    return cell
+
+
+def role(cell) -> str | None:
+    return cell.get("metadata", {}).get("tinypaged", {}).get("role")
+
+
+def assemble(source_nb: dict, submission_nb: dict) -> dict:
+    """The notebook to execute: the submission's order and solution cells, the instructor's everything else.
+
+    * a cell whose ``grade_id`` is a locked or test cell of the source: the source's cell (trusted code,
+      hidden tests included, trusted metadata such as points);
+    * a solution cell of the source: the learner's code under the source's metadata;
+    * any other cell (added by the learner, or carrying a grade_id the source does not know): kept as
+      the learner's, without nbgrader metadata;
+    * a source cell the submission lost: put back after the cell that precedes it in the source (a lost
+      solution cell comes back as the exercise's stub).
+    """
+    src_cells = [c for c in source_nb["cells"]]
+    by_id = {grade_id(c): c for c in src_cells if grade_id(c)}
+    out, seen = [], set()
+    for cell in submission_nb.get("cells", []):
+        if not isinstance(cell, dict) or cell.get("cell_type") not in ("code", "markdown", "raw"):
+            continue
+        gid = grade_id(cell)
+        ref = by_id.get(gid) if gid else None
+        if ref is not None and gid not in seen and ref.get("cell_type") == cell.get("cell_type"):
+            seen.add(gid)
+            if is_solution(ref) and not nbgrader_meta(ref).get("locked"):
+                mine = copy.deepcopy(ref)
+                mine["source"] = source_of(cell)
+                out.append(_mark(mine, LEARNER))
+            else:
+                out.append(_mark(copy.deepcopy(ref), "given"))
+            continue
+        mine = {"cell_type": cell["cell_type"], "metadata": {}, "source": source_of(cell)}
+        if cell["cell_type"] == "code":
+            mine.update(outputs=[], execution_count=None)
+        out.append(_mark(mine, LEARNER))
+    # Put back what the submission lost, after its predecessor in the source.
+    for i, ref in enumerate(src_cells):
+        gid = grade_id(ref)
+        if not gid or gid in seen:
+            continue
+        restored = copy.deepcopy(ref)
+        if is_solution(ref) and ref.get("cell_type") == "code":
+            restored["source"] = strip_solutions(source_of(ref))
+            _mark(restored, LEARNER)
+        else:
+            _mark(restored, "given")
+        at = 0
+        for prev in reversed(src_cells[:i]):
+            pid = grade_id(prev)
+            pos = next((k for k, c in enumerate(out) if pid and grade_id(c) == pid), None)
+            if pos is not None:
+                at = pos + 1
+                break
+        out.insert(at, restored)
+        seen.add(gid)
+    for cell in out:
+        if cell["cell_type"] == "code":
+            cell["outputs"], cell["execution_count"] = [], None
+    nb = copy.deepcopy({k: v for k, v in source_nb.items() if k != "cells"})
+    nb["cells"] = out
+    return nb
+
+
+def read(path: Path) -> dict:
+    """A notebook as a dict; a file that is not a notebook raises ValueError naming it."""
+    try:
+        nb = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not a readable notebook: {e}") from e
+    if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
+        raise ValueError(f"{path} is not a notebook (no cells)")
+    return nb
