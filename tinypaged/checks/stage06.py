@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 
 from tinypaged.block_manager import blocks_needed
-from tinypaged.checks import register
+from tinypaged.checks import Case, register
+from tinypaged.checks._util import rng
 
 
 def kv_blocks(kv_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
@@ -34,70 +35,82 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int
 _TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model_loader.tiny_hf_config()
 
 
-def _tiny(**kw):
+def _table(what, rows):
+    """One case: the implementation on each row of arguments (whole numbers expected)."""
+    return lambda f, t: t(what, [f(*row) for row in rows])
+
+
+@register("06", "kv_blocks", reference=lambda: kv_blocks, points=1)
+def cases_kv_blocks(hidden):
+    if hidden is None:
+        return [
+            Case("round numbers", _table("1 MiB, 1 layer, 1 KV head, head_dim 64, fp16, block 16",
+                                         [(2**20, 1, 1, 64, 2, 16)]),
+                 "a token takes 2 x 1 x 1 x 64 x 2 = 256 bytes, a 16-token block 4 KiB: 1 MiB holds 256 blocks"),
+            Case("less than a block", _table("4095 bytes, same model", [(4095, 1, 1, 64, 2, 16)]),
+                 "only whole blocks count"),
+            Case("SmolLM2 bf16", _table("512 MiB, 30 layers, 3 KV heads, head_dim 64, bf16, block 16",
+                                        [(512 * 2**20, 30, 3, 64, 2, 16)]),
+                 "23,040 bytes per token, 368,640 per block"),
+            Case("tiny, as the engine sizes it", _table(
+                "tiny (2 layers, 2 KV heads, head_dim 16): (300000 B, fp32, block 8), (512 KiB, fp16, block 32)",
+                [(300_000, 2, 2, 16, 4, 8), (1 << 19, 2, 2, 16, 2, 32)]),
+                 "the engine builds exactly this many blocks (tests/test_serving.py checks the reference against it)"),
+        ]
+    r = rng(hidden, 61)
+    rows = [(r.randint(0, 2**34), r.randint(1, 80), r.choice([1, 2, 4, 8]), r.choice([64, 80, 128]),
+             r.choice([1, 2, 4]), r.choice([1, 8, 16, 32])) for _ in range(60)]
+    return [Case("random budgets and models", _table(f"60 random configurations, e.g. {rows[:1]}", rows), weight=2)]
+
+
+@register("06", "max_concurrency", reference=lambda: max_concurrency, points=2)
+def cases_max_concurrency(hidden):
+    if hidden is None:
+        return [
+            Case("too few blocks", _table("100 blocks of 16, max_model_len 2048", [(100, 16, 2048)]),
+                 "a 2048-token request needs 128 blocks of 16"),
+            Case("whole requests", _table("1000 blocks of 16, max_model_len 2048", [(1000, 16, 2048)]),
+                 "1000 // 128"),
+            Case("a part-empty last block", _table("10 blocks of 16, max_model_len 17", [(10, 16, 17)]),
+                 "a 17-token request needs 2 blocks of 16"),
+            Case("as the engine admits", _table("(24 blocks of 4, max_model_len 30), (40 blocks of 16, 40)",
+                                                [(24, 4, 30), (40, 16, 40)]),
+                 "the engine admits this many full-length requests in its first step"),
+        ]
+    r = rng(hidden, 62)
+    rows = [(r.randint(0, 10**6), r.choice([1, 4, 8, 16, 32, 128]), r.randint(1, 8192)) for _ in range(60)]
+    return [Case("random caches", _table(f"60 random (num_blocks, block_size, max_model_len), e.g. {rows[:1]}", rows),
+                 weight=2)]
+
+
+def engine_blocks(kv_bytes: int, dtype: str, block_size: int) -> int:
+    """What the engine builds for the tiny model (tests compare the reference with it)."""
     from tinypaged import LLM
     from tinypaged.serving import shared_weights
 
-    with shared_weights():  # the same seeded weights for every check: load them once
-        return LLM("tiny", device="cpu", **kw)
+    with shared_weights():
+        llm = LLM("tiny", device="cpu", dtype=dtype, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
+                  max_model_len=64)
+    return llm.get_metrics()["kv_num_blocks"]
 
 
-def _call_int(fn, *args, what: str) -> int:
-    got = fn(*args)
-    assert isinstance(got, int) and not isinstance(got, bool), \
-        f"{what}: return a whole number (int), got {got!r} ({type(got).__name__})"
-    return got
-
-
-@register("06", "kv_blocks", reference=lambda: kv_blocks)
-def check_kv_blocks(fn) -> None:
-    # first principles, on round numbers
-    got = _call_int(fn, 2**20, 1, 1, 64, 2, 16, what="1 MiB, 1 layer, 1 KV head, head_dim 64, fp16, block 16")
-    assert got == 256, f"a token takes 2 x 1 x 1 x 64 x 2 = 256 bytes, a block of 16 tokens 4 KiB; 1 MiB holds " \
-                       f"256 blocks, got {got}"
-    got = _call_int(fn, 4095, 1, 1, 64, 2, 16, what="4095 bytes")
-    assert got == 0, f"4095 bytes is less than one 4096-byte block: 0 blocks (only whole blocks count), got {got}"
-    # SmolLM2-135M in bf16: 30 layers, 3 KV heads, head_dim 64 -> 23,040 bytes per token
-    got = _call_int(fn, 512 * 2**20, 30, 3, 64, 2, 16, what="SmolLM2 bf16, 512 MiB, block 16")
-    assert got == 1456, f"SmolLM2 in bf16 takes 23,040 bytes per token, 368,640 per 16-token block: 512 MiB " \
-                        f"holds 1456 blocks, got {got}"
-    # the engine: tiny model, several budgets, dtypes and block sizes
-    for kv_bytes, dtype, nbytes, bs in ((300_000, "float32", 4, 8), (1 << 19, "float16", 2, 32)):
-        llm = _tiny(dtype=dtype, block_size=bs, kv_cache_memory_bytes=kv_bytes, max_model_len=64)
-        engine_blocks = llm.get_metrics()["kv_num_blocks"]
-        got = _call_int(fn, kv_bytes, _TINY["num_layers"], _TINY["num_kv_heads"], _TINY["head_dim"], nbytes, bs,
-                        what=f"tiny, {kv_bytes} bytes, {dtype}, block {bs}")
-        assert got == engine_blocks, f"tiny model (2 layers, 2 KV heads, head_dim 16), {dtype}, block_size {bs}, " \
-                                     f"kv_cache_memory_bytes={kv_bytes}: the engine built {engine_blocks} blocks, " \
-                                     f"your kv_blocks says {got}"
-
-
-@register("06", "max_concurrency", reference=lambda: max_concurrency)
-def check_max_concurrency(fn) -> None:
-    got = _call_int(fn, 100, 16, 2048, what="100 blocks of 16, max_model_len 2048")
-    assert got == 0, f"a 2048-token request needs 128 blocks of 16; 100 blocks hold none at full length, got {got}"
-    got = _call_int(fn, 1000, 16, 2048, what="1000 blocks of 16, max_model_len 2048")
-    assert got == 7, f"1000 blocks // 128 blocks per 2048-token request = 7, got {got}"
-    got = _call_int(fn, 10, 16, 17, what="10 blocks of 16, max_model_len 17")
-    assert got == 5, f"a 17-token request needs 2 blocks of 16 (its last block is nearly empty): 10 // 2 = 5, got {got}"
-    # the engine: requests whose prompt is max_model_len tokens long, all waiting at once; the first
-    # step admits (and prefills) as many as can hold their KV, and no more.
+def engine_admits(num_blocks: int, block_size: int, max_model_len: int, requests: int) -> int:
+    """How many full-length requests the engine admits in its first step (tests compare the reference)."""
+    from tinypaged import LLM
     from tinypaged.sampling_params import SamplingParams
+    from tinypaged.serving import shared_weights
 
     log = logging.getLogger("tinypaged")
     old = log.level
     log.setLevel(logging.ERROR)
     try:
-        for num_blocks, bs, mml in ((24, 4, 30), (40, 16, 40)):
-            want = _call_int(fn, num_blocks, bs, mml, what=f"{num_blocks} blocks of {bs}, max_model_len {mml}")
-            llm = _tiny(dtype="float32", block_size=bs, num_gpu_blocks_override=num_blocks, max_model_len=mml,
-                        max_num_seqs=64, max_num_batched_tokens=64 * mml)
-            engine = llm.llm_engine
-            for i in range(want + 2):
-                engine.add_request(f"r{i}", {"prompt_token_ids": [5 + (i + j) % 50 for j in range(mml)]},
-                                   SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-            admitted = len(engine.step().scheduled)
-            assert admitted == want, f"{num_blocks} blocks of {bs} tokens, max_model_len {mml}: you predicted " \
-                                     f"{want} full-length requests at once, the engine admitted {admitted}"
+        with shared_weights():
+            llm = LLM("tiny", device="cpu", dtype="float32", block_size=block_size, num_gpu_blocks_override=num_blocks,
+                      max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=64 * max_model_len)
+        engine = llm.llm_engine
+        for i in range(requests):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [5 + (i + j) % 50 for j in range(max_model_len)]},
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        return len(engine.step().scheduled)
     finally:
         log.setLevel(old)
