@@ -188,3 +188,13 @@ def test_a_request_arriving_while_the_scheduler_runs_is_not_a_deadlock():
                        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), arrival_time=0.5)
     assert engine.step().scheduled == []  # not yet arrived when the policy looked
     assert [s.seq.request_id for s in engine.step().scheduled] == ["late"]
+
+
+def test_stage06_references_agree_with_the_engine():
+    from tinypaged.checks import stage06
+
+    for kv_bytes, dtype, nbytes, bs in ((300_000, "float32", 4, 8), (1 << 19, "float16", 2, 32)):
+        assert stage06.kv_blocks(kv_bytes, 2, 2, 16, nbytes, bs) == stage06.engine_blocks(kv_bytes, dtype, bs)
+    for num_blocks, bs, mml in ((24, 4, 30), (40, 16, 40)):
+        want = stage06.max_concurrency(num_blocks, bs, mml)
+        assert stage06.engine_admits(num_blocks, bs, mml, want + 2) == want

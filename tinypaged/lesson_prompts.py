@@ -163,7 +163,6 @@ def _trace(tok):
 NB1, NB2, NB3, NB4, NB5 = (f"notebooks/{n}.ipynb" for n in (
     "01_contiguous_kv_cache", "02_block_table", "03_prefix_sharing", "04_continuous_batching",
     "05_triton_paged_attention"))
-SOL5 = "solutions/05_triton_paged_attention.ipynb"
 
 GENERATIONS = [
     Generation("kv_demo", "tiny", "float64", _ids([KV_DEMO_PROMPT]), (KV_DEMO_NEW_TOKENS,), False,
@@ -189,8 +188,6 @@ GENERATIONS = [
                ((NB4, r"static.*continuous.*\n.*LLM\(\"smollm2-135m\""),), ("trace_requests", "make_trace_prompts")),
     Generation("triton", "tiny", "float32", _ids(TRITON_PROMPTS), (TRITON_NEW_TOKENS,) * 4, False,
                ((NB5, r"counting_decode"),), ("TRITON_PROMPTS", "TRITON_NEW_TOKENS")),
-    Generation("triton_assignment", "tiny", "float32", _ids(TRITON_PROMPTS[:3]), (6,) * 3, False,
-               ((SOL5, r"tokens\[backend\]"),), ("TRITON_PROMPTS",)),
 ]
 
 # Cells that drive the engine but print nothing that depends on which tokens come out: traces of

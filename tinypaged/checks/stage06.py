@@ -2,15 +2,12 @@
 
 * ``kv_blocks(kv_bytes, num_layers, num_kv_heads, head_dim, dtype_bytes, block_size)``: how many
   blocks a KV budget of ``kv_bytes`` holds (what ``gpu_memory_utilization`` or
-  ``kv_cache_memory_bytes`` becomes inside the engine). The engine cases build the ``tiny`` model
-  with that budget and record whether the prediction equals the blocks the engine made.
+  ``kv_cache_memory_bytes`` becomes inside the engine). Checked against the blocks the engine builds.
 * ``max_concurrency(num_blocks, block_size, max_model_len)``: how many requests of
-  ``max_model_len`` tokens can hold their KV at once (vLLM logs it at start-up). The engine cases
-  submit such requests to the engine and record how many it admits in one step, next to the
-  prediction.
+  ``max_model_len`` tokens can hold their KV at once (vLLM logs it at start-up). Checked by
+  submitting such requests to the engine and counting how many it admits in one step.
 
-The references are below (plain arithmetic, the same as the engine's sizing in
-``tinypaged.model_runner`` and vLLM v1's ``kv_cache_utils``).
+Both are checked on the ``tiny`` model (2 layers, 2 KV heads, head_dim 16), on the CPU.
 """
 
 from __future__ import annotations
@@ -35,95 +32,85 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int
     return num_blocks // blocks_needed(max_model_len, block_size)
 
 
-TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model_loader.tiny_hf_config()
-DTYPE_BYTES = {"float32": 4, "float16": 2}
+_TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model_loader.tiny_hf_config()
 
 
-def _tiny(**kw):
-    from tinypaged import LLM
-    from tinypaged.serving import quiet, shared_weights
-
-    with shared_weights(), quiet():  # the same seeded weights for every case: load them once
-        return LLM("tiny", device="cpu", **kw)
-
-
-def _engine_blocks_case(kv_bytes: int, dtype: str, bs: int) -> Case:
-    def run(fn, t):
-        got = fn(kv_bytes, TINY["num_layers"], TINY["num_kv_heads"], TINY["head_dim"], DTYPE_BYTES[dtype], bs)
-        built = _tiny(dtype=dtype, block_size=bs, kv_cache_memory_bytes=kv_bytes, max_model_len=64)
-        t(f"tiny model (2 layers, 2 KV heads, head_dim 16), {dtype}, block_size {bs}, kv_cache_memory_bytes="
-          f"{kv_bytes}: the prediction equals the {built.get_metrics()['kv_num_blocks']} blocks the engine built",
-          got == built.get_metrics()["kv_num_blocks"])
-
-    return Case(f"the engine, {dtype}, block {bs}", run, "the engine divides the bytes by the bytes of one block")
-
-
-def _engine_admits_case(num_blocks: int, bs: int, mml: int) -> Case:
-    def run(fn, t):
-        from tinypaged.sampling_params import SamplingParams
-
-        want = fn(num_blocks, bs, mml)
-        if not isinstance(want, int) or isinstance(want, bool) or not 0 <= want <= 200:
-            t("a whole number of requests", repr(want))
-            return
-        engine = _tiny(dtype="float32", block_size=bs, num_gpu_blocks_override=num_blocks, max_model_len=mml,
-                       max_num_seqs=64, max_num_batched_tokens=64 * mml).llm_engine
-        for i in range(want + 2):  # full-length prompts, all waiting at once
-            engine.add_request(f"r{i}", {"prompt_token_ids": [5 + (i + j) % 50 for j in range(mml)]},
-                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        log = logging.getLogger("tinypaged")
-        old, log.level = log.level, logging.ERROR
-        try:
-            admitted = len(engine.step().scheduled)
-        finally:
-            log.setLevel(old)
-        t(f"{num_blocks} blocks of {bs}, max_model_len {mml}: [your prediction, requests the engine admitted at once]",
-          [want, admitted])
-
-    return Case(f"the engine, {num_blocks} blocks of {bs}", run,
-                "the first step admits full-length requests while their blocks fit, and no more")
+def _table(what, rows):
+    """One case: the implementation on each row of arguments (whole numbers expected)."""
+    return lambda f, t: t(what, [f(*row) for row in rows])
 
 
 @register("06", "kv_blocks", reference=lambda: kv_blocks, points=1)
 def cases_kv_blocks(hidden):
     if hidden is None:
         return [
-            Case("round numbers", lambda f, t: t("kv_blocks(2**20, 1, 1, 64, 2, 16): 1 MiB, 256-byte tokens, "
-                                                 "4 KiB blocks", f(2**20, 1, 1, 64, 2, 16))),
-            Case("less than one block", lambda f, t: t("kv_blocks(4095, 1, 1, 64, 2, 16)", f(4095, 1, 1, 64, 2, 16)),
+            Case("round numbers", _table("1 MiB, 1 layer, 1 KV head, head_dim 64, fp16, block 16",
+                                         [(2**20, 1, 1, 64, 2, 16)]),
+                 "a token takes 2 x 1 x 1 x 64 x 2 = 256 bytes, a 16-token block 4 KiB: 1 MiB holds 256 blocks"),
+            Case("less than a block", _table("4095 bytes, same model", [(4095, 1, 1, 64, 2, 16)]),
                  "only whole blocks count"),
-            Case("SmolLM2 in bf16", lambda f, t: t("kv_blocks(512 * 2**20, 30, 3, 64, 2, 16): 23,040 bytes per token",
-                                                   f(512 * 2**20, 30, 3, 64, 2, 16))),
-            Case("OPT-13B in fp16", lambda f, t: t("kv_blocks(12 * 2**30, 40, 40, 128, 2, 16): the paper's 12 GB",
-                                                   f(12 * 2**30, 40, 40, 128, 2, 16)),
-                 "800 KB per token, 12.5 MiB per block"),
-            _engine_blocks_case(300_000, "float32", 8),
-            _engine_blocks_case(1 << 19, "float16", 32),
+            Case("SmolLM2 bf16", _table("512 MiB, 30 layers, 3 KV heads, head_dim 64, bf16, block 16",
+                                        [(512 * 2**20, 30, 3, 64, 2, 16)]),
+                 "23,040 bytes per token, 368,640 per block"),
+            Case("tiny, as the engine sizes it", _table(
+                "tiny (2 layers, 2 KV heads, head_dim 16): (300000 B, fp32, block 8), (512 KiB, fp16, block 32)",
+                [(300_000, 2, 2, 16, 4, 8), (1 << 19, 2, 2, 16, 2, 32)]),
+                 "the engine builds exactly this many blocks (tests/test_serving.py checks the reference against it)"),
         ]
     r = rng(hidden, 61)
-    calls = [(r.randrange(0, 2**34), r.randint(1, 80), r.choice([1, 2, 4, 8, 16]), r.choice([32, 64, 80, 128, 256]),
-              r.choice([1, 2, 4]), r.choice([1, 8, 16, 32, 64, 128])) for _ in range(100)]
-    return [Case("random models and budgets", lambda f, t: t(f"100 random configurations, e.g. kv_blocks{calls[0]}",
-                                                             [f(*c) for c in calls]), weight=2),
-            _engine_blocks_case(r.randrange(50_000, 2_000_000), r.choice(["float32", "float16"]), r.choice([4, 8, 16]))]
+    rows = [(r.randint(0, 2**34), r.randint(1, 80), r.choice([1, 2, 4, 8]), r.choice([64, 80, 128]),
+             r.choice([1, 2, 4]), r.choice([1, 8, 16, 32])) for _ in range(60)]
+    return [Case("random budgets and models", _table(f"60 random configurations, e.g. {rows[:1]}", rows), weight=2)]
 
 
-@register("06", "max_concurrency", reference=lambda: max_concurrency, points=1)
+@register("06", "max_concurrency", reference=lambda: max_concurrency, points=2)
 def cases_max_concurrency(hidden):
     if hidden is None:
         return [
-            Case("not even one", lambda f, t: t("max_concurrency(100, 16, 2048)", f(100, 16, 2048)),
+            Case("too few blocks", _table("100 blocks of 16, max_model_len 2048", [(100, 16, 2048)]),
                  "a 2048-token request needs 128 blocks of 16"),
-            Case("the paper's budget", lambda f, t: t("max_concurrency(983, 16, 2048): 15.7K token slots",
-                                                      f(983, 16, 2048))),
-            Case("a part-empty last block", lambda f, t: t("max_concurrency(10, 16, 17)", f(10, 16, 17)),
-                 "a 17-token request holds 2 blocks of 16"),
-            _engine_admits_case(24, 4, 30),
-            _engine_admits_case(40, 16, 40),
+            Case("whole requests", _table("1000 blocks of 16, max_model_len 2048", [(1000, 16, 2048)]),
+                 "1000 // 128"),
+            Case("a part-empty last block", _table("10 blocks of 16, max_model_len 17", [(10, 16, 17)]),
+                 "a 17-token request needs 2 blocks of 16"),
+            Case("as the engine admits", _table("(24 blocks of 4, max_model_len 30), (40 blocks of 16, 40)",
+                                                [(24, 4, 30), (40, 16, 40)]),
+                 "the engine admits this many full-length requests in its first step"),
         ]
     r = rng(hidden, 62)
-    calls = [(r.randint(0, 5000), r.choice([1, 4, 8, 16, 32, 64]), r.randint(1, 4096)) for _ in range(100)]
-    bs, mml = r.choice([4, 8]), r.randint(9, 33)
-    return [Case("random caches", lambda f, t: t(f"100 random (num_blocks, block_size, max_model_len), e.g. "
-                                                 f"{calls[0]}", [f(*c) for c in calls]), weight=2),
-            _engine_admits_case(r.randint(blocks_needed(mml, bs), 30), bs, mml)]
+    rows = [(r.randint(0, 10**6), r.choice([1, 4, 8, 16, 32, 128]), r.randint(1, 8192)) for _ in range(60)]
+    return [Case("random caches", _table(f"60 random (num_blocks, block_size, max_model_len), e.g. {rows[:1]}", rows),
+                 weight=2)]
+
+
+def engine_blocks(kv_bytes: int, dtype: str, block_size: int) -> int:
+    """What the engine builds for the tiny model (tests compare the reference with it)."""
+    from tinypaged import LLM
+    from tinypaged.serving import shared_weights
+
+    with shared_weights():
+        llm = LLM("tiny", device="cpu", dtype=dtype, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
+                  max_model_len=64)
+    return llm.get_metrics()["kv_num_blocks"]
+
+
+def engine_admits(num_blocks: int, block_size: int, max_model_len: int, requests: int) -> int:
+    """How many full-length requests the engine admits in its first step (tests compare the reference)."""
+    from tinypaged import LLM
+    from tinypaged.sampling_params import SamplingParams
+    from tinypaged.serving import shared_weights
+
+    log = logging.getLogger("tinypaged")
+    old = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with shared_weights():
+            llm = LLM("tiny", device="cpu", dtype="float32", block_size=block_size, num_gpu_blocks_override=num_blocks,
+                      max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=64 * max_model_len)
+        engine = llm.llm_engine
+        for i in range(requests):
+            engine.add_request(f"r{i}", {"prompt_token_ids": [5 + (i + j) % 50 for j in range(max_model_len)]},
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        return len(engine.step().scheduled)
+    finally:
+        log.setLevel(old)
