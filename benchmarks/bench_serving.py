@@ -1,7 +1,7 @@
 """Stage 6 benchmark: serving under load, every system side by side, the simulator checked against
 the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
 
-    python benchmarks/bench_serving.py                 # about 6-8 minutes on a 2-core CPU
+    python benchmarks/bench_serving.py                 # about 10 minutes on a 2-core CPU
     python benchmarks/bench_serving.py --quick         # about 2 minutes
     python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
 
@@ -46,9 +46,9 @@ THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized lat
 # Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
 # rates, the other systems' rates.
 DATASETS = {
-    "sharegpt": dict(scale=1 / 8, paper_seconds=300, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
+    "sharegpt": dict(scale=1 / 8, paper_seconds=200, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
                      paper_rates=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8]),
-    "alpaca": dict(scale=1 / 2, paper_seconds=30, slow_rates=[1, 2, 3, 5],
+    "alpaca": dict(scale=1 / 2, paper_seconds=20, slow_rates=[1, 2, 3, 5],
                    paper_rates=[5, 10, 25, 50, 75, 100, 150, 200, 250, 300]),
 }
 
