@@ -203,7 +203,9 @@ NOT_TOKEN_DEPENDENT = [
     (NB4, r"engine.add_request\(\"short-a\"", "prints the step trace of ignore_eos requests"),
     (NB4, r"def fresh_engine", "prints the step trace and block owners of ignore_eos requests"),
     (NB4, r"widgets.Button", "the stepper widget: traces of ignore_eos requests"),
-    ("solutions/02_block_table.ipynb", r"engine.add_request\(rid", "prints the step trace of ignore_eos requests"),
+    ("notebooks/06_serving_and_knobs.ipynb", r"def run_batch\(llm, prompts, outs", "timed ignore_eos batches: prints counts and verdicts"),
+    ("notebooks/06_serving_and_knobs.ipynb", r"def chat\(caching\)", "ignore_eos replies of fixed length: prefill and hit counts depend on lengths only"),
+    ("notebooks/06_serving_and_knobs.ipynb", r"budget_runs = \{\}", "ignore_eos requests: prints step counts and timing verdicts"),
 ]
 
 
