@@ -1,7 +1,7 @@
 """Stage 6 benchmark: serving under load, every system side by side, the simulator checked against
 the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
 
-    python benchmarks/bench_serving.py                 # about 6-8 minutes on a 2-core CPU
+    python benchmarks/bench_serving.py                 # about 10 minutes on a 2-core CPU
     python benchmarks/bench_serving.py --quick         # about 2 minutes
     python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
 
@@ -46,9 +46,9 @@ THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized lat
 # Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
 # rates, the other systems' rates.
 DATASETS = {
-    "sharegpt": dict(scale=1 / 8, paper_seconds=300, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
+    "sharegpt": dict(scale=1 / 8, paper_seconds=200, slow_rates=[0.2, 0.3, 0.5, 0.75, 1],
                      paper_rates=[1, 1.5, 2, 2.5, 3, 4, 5, 6, 8]),
-    "alpaca": dict(scale=1 / 2, paper_seconds=30, slow_rates=[1, 2, 3, 5],
+    "alpaca": dict(scale=1 / 2, paper_seconds=20, slow_rates=[1, 2, 3, 5],
                    paper_rates=[5, 10, 25, 50, 75, 100, 150, 200, 250, 300]),
 }
 
@@ -90,9 +90,11 @@ def realtime(args, dataset):
     with quiet(), shared_weights():
         llm = LLM(args.model, device=args.device, dtype="float32", seed=0, **system_config("vllm", **common))
         replay(llm, with_rate(calibration[:4], 1000.0), "vllm")
-        before = calibration_steps(llm, calibration)
-        model = LinearCostModel.fit(before)
-    say(f"Step-time model fitted on a closed-loop run of {len(calibration)} other requests: {model.describe()}")
+        model = LinearCostModel.fit(calibration_steps(llm, calibration))
+        if not args.rates:  # closed-loop steps run faster than steps under arrivals: refit on a real-time run
+            probe = knee_rates(model, trace, num=2, **common)[-1] / 2
+            model = LinearCostModel.fit(replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
+    say(f"Step-time model fitted on runs of {len(calibration)} other requests: {model.describe()}")
     if args.rates:
         rates = sorted(args.rates)
     else:  # from Orca (Max)'s predicted knee to vLLM's, plus one rate below and one above
@@ -100,22 +102,21 @@ def realtime(args, dataset):
         rates = sorted({round(knees[0] / 2, 1), *knees, round(knees[-1] * 1.4, 1)})
     say(f"Rates (req/s): {rates} (the calibrated simulator's knees of Orca (Max) and vLLM, and beyond)")
     exp = serve_systems(args.model, trace, common, rates=rates, device=args.device, log=say)
-    with quiet(), shared_weights():  # a second calibration run brackets the real-time runs in time
-        model = LinearCostModel.fit(before + calibration_steps(llm, calibration))
-    say(f"Refitted on that run and a second one after the real-time runs: {model.describe()}")
+    # the step costs of this period: vLLM's real-time runs, measured interleaved with the other systems'
+    period = LinearCostModel.fit([st for r in rates for st in exp.runs[("vllm", r)].steps])
+    say(f"Step-time model of vLLM's real-time runs above: {period.describe()}")
     say("\nAll requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
         f"{get_system(n).label} {len(exp.runs[(n, None)].steps)} steps / largest batch "
         f"{max(st.num_seqs for st in exp.runs[(n, None)].steps)}" for n in SYSTEM_NAMES))
     say("\n" + serving_table({k: v for k, v in exp.runs.items() if k[1] is not None}))
-    predicted = sweep(trace, model, rates, SYSTEM_NAMES, **common)
-    idle = sweep(trace, model, [rates[0] / 4], ["vllm"], **common).latency["vllm"][0]
-    th = threshold_of(idle)
+    th = threshold_of(exp.latency("vllm")[0])
     sustained = {n: sustainable_rate(rates, exp.latency(n), th) for n in SYSTEM_NAMES}
-    say(f"\nSustainable rate (mean normalized latency <= {th:.4f} s/token = {THRESHOLD_FACTOR}x vLLM's at "
-        f"{rates[0] / 4:g} req/s, simulated):")
+    predicted = sweep(trace, period, rates, SYSTEM_NAMES, **common)
+    say(f"\nSustainable rate (mean normalized latency <= {th:.4f} s/token = {THRESHOLD_FACTOR}x vLLM's measured at "
+        f"{rates[0]:g} req/s):")
     say("  measured:  " + ", ".join(f"{get_system(n).label} {v:.1f}" for n, v in sustained.items()) + " req/s")
     say("  simulated: " + ", ".join(f"{get_system(n).label} {v:.1f}" for n, v in predicted.sustainable(th).items())
-        + " req/s")
+        + " req/s (the step-time model of vLLM's runs)")
     for line in ratio_lines(sustained):
         say(line)
     top = rates[-1]
@@ -127,12 +128,13 @@ def realtime(args, dataset):
         f"{get_system(n).label} {1e3 * exp.runs[(n, top)].summary()['step_time']:.1f} ms" for n in SYSTEM_NAMES)
         + f"; useful share of static batching's slots {exp.runs[('static', top)].summary()['useful_slot_share']:.0%}")
 
-    say(f"\n== Part 2 ({dataset}): the simulator against the engine (vLLM system) ==")
-    say("At each rate: a real-time run of the other requests at that rate, the measured run, and another run of "
-        "the other requests; the model is fitted on those two. Measured again (up to 4 times) when that model "
-        "misjudges the measured run's own steps by over 10%, i.e. when the machine's speed changed in between. "
-        "'own steps' refits on the measured run's steps: the error left is the simulator's, not the cost model's.")
-    val_rates = rates[:3] if args.rates else knees[1:]
+    say(f"\n== Part 2 ({dataset}): the simulator against the engine ==")
+    val_rates = rates[:3] if args.rates else [round(f * knees[-1], 1) for f in (0.4, 0.6, 0.8)]
+    say(f"vLLM at {val_rates} req/s (0.4, 0.6, 0.8 x its predicted knee; near the knee any error in step costs is "
+        f"multiplied by queueing). At each rate: a real-time run of the other requests at that rate, the measured "
+        f"run, another run of the other requests; the model is fitted on those two. Measured again (up to 4 times) "
+        f"when that model misjudges the measured run's own steps by over 10% (the machine's speed changed in "
+        f"between). 'own steps' refits on the measured run's steps: the error left is the simulator's.")
     with quiet(), shared_weights():
         checks = validate(llm, calibration, trace, val_rates, attempts=4, **common)
     rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
@@ -147,11 +149,10 @@ def realtime(args, dataset):
     for name in SYSTEM_NAMES:
         if name == "vllm":
             continue
-        for r, m in ((v.rate, v.model) for v in final):
-            v = check_against(m, {r: exp.runs[(name, r)]}, name, **common)[0]
+        for v in check_against(period, {r: exp.runs[(name, r)] for r in rates[:3]}, name, **common):
             rows.append([get_system(name).label, f"{v.rate:g}", f"{v.measured:.4f}", f"{v.predicted:.4f}",
                          f"{100 * v.error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"])
-    say("The other systems against their Part-1 runs (the model of the last attempt at each rate):")
+    say("The other systems' Part-1 runs, predicted with the step-time model of vLLM's runs of the same period:")
     say(format_table(["system", "rate req/s", "measured s/token", "simulated s/token", "error", "own steps"], rows))
 
 
