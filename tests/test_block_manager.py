@@ -170,16 +170,46 @@ def test_freed_blocks_without_a_hash_are_reused_first():
 
 # -- the notebook checks reject broken implementations ------------------------------------------
 
-class LifoAllocator(stage02.BlockAllocator):
+class FifoAllocator:
+    """A correct learner-style allocator (not the package's), so the broken ones below differ by one bug."""
+
+    def __init__(self, num_blocks):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        self.queue, self.is_free = list(range(num_blocks)), [True] * num_blocks
+
+    @property
+    def num_free(self):
+        return len(self.queue)
+
+    def allocate(self):
+        if not self.queue:
+            raise RuntimeError("no free blocks")
+        block = self.queue.pop(0)
+        self.is_free[block] = False
+        return block
+
+    def free(self, block_id):
+        if self.is_free[block_id]:
+            raise RuntimeError(f"double free of block {block_id}")
+        self.is_free[block_id] = True
+        self.queue.append(block_id)
+
+
+class LifoAllocator(FifoAllocator):
     def free(self, block_id):  # a stack, not a queue: freed blocks come straight back
         super().free(block_id)
-        self.pool.free_queue.move_to_end(block_id, last=False)
+        self.queue.insert(0, self.queue.pop())
 
 
-class ForgivingAllocator(stage02.BlockAllocator):
+class ForgivingAllocator(FifoAllocator):
     def free(self, block_id):  # double free silently accepted
-        if self.pool.blocks[block_id].ref_cnt:
+        if not self.is_free[block_id]:
             super().free(block_id)
+
+
+def test_stage02_checks_accept_a_correct_allocator():
+    assert checks.evaluate("block_allocator", FifoAllocator)[0] == checks.PASS
 
 
 def greedy_allocate_for(table, num_tokens, block_size, allocator):
@@ -218,6 +248,7 @@ BROKEN = {
 def test_stage02_checks_reject_broken_code(name, broken):
     status, msg = checks.evaluate(name, broken)
     assert status == checks.FAIL, f"{name} accepted a broken implementation"
+    assert "AttributeError" not in msg and "reference implementation" not in msg, msg  # for the bug it has
 
 
 def test_stage02_checks_say_not_implemented():
