@@ -1,7 +1,7 @@
 """Stage 6 benchmark: serving under load, every system side by side, the simulator checked against
 the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
 
-    python benchmarks/bench_serving.py                 # about 10 minutes on a 2-core CPU
+    python benchmarks/bench_serving.py                 # about 10-15 minutes on a 2-core CPU
     python benchmarks/bench_serving.py --quick         # about 2 minutes
     python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
 
@@ -12,8 +12,9 @@ Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock throu
   paper's ShareGPT and Alpaca statistics scaled down to fit a CPU, and the 2048-token cap and the
   paper's KV budget (15.7K token slots, OPT-13B on an A100-40GB) are scaled by the same factor, so
   each reservation policy fits as many requests at once as it did in the paper. The rates come from
-  a step-time model fitted on this machine first (a closed-loop run of other requests): the
-  simulator's predicted knees of Orca (Max) and vLLM, one rate below and one beyond.
+  a step-time model fitted on this machine first (runs of other requests): six rates, evenly spaced
+  from half the simulator's predicted knee of Orca (Max) to 1.5x vLLM's. Each rate replays the same
+  span of traffic (--seconds, at least --requests requests), long enough for queues to build.
 Part 2, the simulator against the engine: at three rates, a real-time vLLM run between two
   calibration runs of other requests at the same rate; the simulator, with the model fitted on those,
   predicts the run's mean normalized latency (same requests, same arrival times), printed next to the
@@ -30,6 +31,7 @@ installed, and prints the same table; elsewhere it says why it is skipped.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -41,6 +43,8 @@ from tinypaged.simulator import (OPT13B_A100, LinearCostModel, calibration_steps
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
+NUM_RATES = 6  # real-time rates per dataset
+VALIDATION_ATTEMPTS, MAX_STEP_ERROR = 5, 0.05  # re-measure a rate whose calibration missed its steps by > 5%
 
 # Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
 # Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
@@ -95,23 +99,30 @@ def realtime(args, dataset):
             probe = knee_rates(model, trace, num=2, **common)[-1] / 2
             model = LinearCostModel.fit(replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
     say(f"Step-time model fitted on runs of {len(calibration)} other requests: {model.describe()}")
+    knees = knee_rates(model, trace, num=2, **common)  # Orca (Max)'s predicted knee, then vLLM's
     if args.rates:
         rates = sorted(args.rates)
-    else:  # from Orca (Max)'s predicted knee to vLLM's, plus one rate below and one above
-        knees = knee_rates(model, trace, num=4, **common)
-        rates = sorted({round(knees[0] / 2, 1), *knees, round(knees[-1] * 1.4, 1)})
-    say(f"Rates (req/s): {rates} (the calibrated simulator's knees of Orca (Max) and vLLM, and beyond)")
-    exp = serve_systems(args.model, trace, common, rates=rates, device=args.device, log=say)
+    else:  # evenly spaced (geometrically) from half the lower knee to 1.5x vLLM's: light load to overload
+        lo, hi = min(knees) / 2, 1.5 * knees[-1]
+        rates = [round(lo * (hi / lo) ** (i / (NUM_RATES - 1)), 1) for i in range(NUM_RATES)]
+    say(f"Rates (req/s): {rates} (from half of the lower of the calibrated simulator's knees, Orca (Max) "
+        f"{knees[0]:g} and vLLM {knees[-1]:g}, to 1.5x vLLM's); {args.seconds:g} s of Poisson traffic per rate "
+        f"(at least {args.requests} requests)")
+    long_trace = serving_trace(dataset, max(args.requests, math.ceil(max(rates) * args.seconds)), None, seed=0,
+                               scale=scale)
+    exp = serve_systems(args.model, long_trace, common, rates=rates, device=args.device, log=say,
+                        seconds=args.seconds, min_requests=args.requests)
     # the step costs of this period: vLLM's real-time runs, measured interleaved with the other systems'
     period = LinearCostModel.fit([st for r in rates for st in exp.runs[("vllm", r)].steps])
     say(f"Step-time model of vLLM's real-time runs above: {period.describe()}")
-    say("\nAll requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
+    say(f"\nThe first {args.requests} requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
         f"{get_system(n).label} {len(exp.runs[(n, None)].steps)} steps / largest batch "
         f"{max(st.num_seqs for st in exp.runs[(n, None)].steps)}" for n in SYSTEM_NAMES))
     say("\n" + serving_table({k: v for k, v in exp.runs.items() if k[1] is not None}))
     th = threshold_of(exp.latency("vllm")[0])
     sustained = {n: sustainable_rate(rates, exp.latency(n), th) for n in SYSTEM_NAMES}
-    predicted = sweep(trace, period, rates, SYSTEM_NAMES, **common)
+    predicted = sweep(long_trace, period, rates, SYSTEM_NAMES, duration=args.seconds, min_requests=args.requests,
+                      **common)
     say(f"\nSustainable rate (mean normalized latency <= {th:.4f} s/token = {THRESHOLD_FACTOR}x vLLM's measured at "
         f"{rates[0]:g} req/s):")
     say("  measured:  " + ", ".join(f"{get_system(n).label} {v:.1f}" for n, v in sustained.items()) + " req/s")
@@ -132,11 +143,14 @@ def realtime(args, dataset):
     val_rates = rates[:3] if args.rates else [round(f * knees[-1], 1) for f in (0.4, 0.6, 0.8)]
     say(f"vLLM at {val_rates} req/s (0.4, 0.6, 0.8 x its predicted knee; near the knee any error in step costs is "
         f"multiplied by queueing). At each rate: a real-time run of the other requests at that rate, the measured "
-        f"run, another run of the other requests; the model is fitted on those two. Measured again (up to 4 times) "
-        f"when that model misjudges the measured run's own steps by over 10% (the machine's speed changed in "
-        f"between). 'own steps' refits on the measured run's steps: the error left is the simulator's.")
+        f"run, another run of the other requests; the model is fitted on those two. Measured again (up to "
+        f"{VALIDATION_ATTEMPTS} times) when that model misjudges the measured run's own steps by over "
+        f"{MAX_STEP_ERROR:.0%} (the machine's speed changed in between: the simulator's input, not the simulator, "
+        f"was wrong); every attempt is printed. 'own steps' refits on the measured run's steps: the error left is "
+        f"the simulator's.")
     with quiet(), shared_weights():
-        checks = validate(llm, calibration, trace, val_rates, attempts=4, **common)
+        checks = validate(llm, calibration, trace, val_rates, attempts=VALIDATION_ATTEMPTS,
+                          max_step_error=MAX_STEP_ERROR, **common)
     rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
              f"{100 * v.step_model_error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"] for v in checks]
     say(format_table(["rate req/s", "attempt", "measured s/token", "simulated s/token", "error", "step model",
@@ -216,7 +230,10 @@ def main(argv=None):
     ap.add_argument("--engine", choices=["tinypaged", "vllm"], default="tinypaged")
     ap.add_argument("--model", default=None, help="tinypaged: 'tiny' (default) or 'smollm2-135m'; vllm: a model name")
     ap.add_argument("--datasets", nargs="+", default=["sharegpt", "alpaca"], choices=sorted(DATASETS))
-    ap.add_argument("--requests", type=int, default=None, help="requests per real-time run (default 100, quick 48)")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per calibration and validation run, and the least per rate (default 100, quick 48)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="seconds of Poisson traffic per real-time rate (default 6, quick 2)")
     ap.add_argument("--device", default="cpu", help="tinypaged's device: cpu (default) or cuda")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="real-time rates in req/s")
     ap.add_argument("--max-num-seqs", type=int, default=64)
@@ -226,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--skip", nargs="*", default=[], choices=["realtime", "paper"])
     args = ap.parse_args(argv)
     args.requests = args.requests or (48 if args.quick else 100)
+    args.seconds = args.seconds or (2.0 if args.quick else 6.0)
     if args.engine == "vllm":
         if args.model is None:
             ap.error("--engine vllm needs --model (a model vLLM can load)")

@@ -15,7 +15,7 @@
       (prompt, full-block token prefix) among live beams, plus each beam's private last block.
     Savings are 1 - (block-steps with sharing) / (block-steps without): memory integrated over
     each request's steps, one request at a time.
-(b) Shared-prefix translation prompts on SmolLM2-135M (paper Fig. 17: 1.67x throughput with a
+(b) Shared-prefix translation prompts on SmolLM2-135M (paper Fig. 16: vLLM 1.67x Orca (Oracle)'s throughput with a
     1-shot 80-token prefix, 3.58x with a 5-shot 341-token prefix): the same requests with prefix
     caching off and on, side by side: prefill tokens computed, peak blocks, throughput.
 

@@ -11,7 +11,8 @@ import pytest
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.serving import (SYSTEM_NAMES, RequestRecord, ServingRun, StepRecord, BatchShape, get_system, quiet,
-                               rate_ratios, replay, replay_vllm, scaled_max_model_len, serving_table, serving_trace,
+                               rate_ratios, replay, replay_vllm, scaled_max_model_len, serve_systems, serving_table,
+                               serving_trace,
                                shared_weights, sustainable_rate, system_config, vllm_available, with_rate)
 from tinypaged.workloads import TraceRequest, summarize
 
@@ -87,6 +88,22 @@ def test_replay_times_every_request_on_the_real_engine():
     assert m["requests"] == 12 and m["useful_slot_share"] == 1.0 and 0 < m["occupancy"] <= 1
     table = serving_table({("vllm", 200.0): run})
     assert "vLLM" in table and "200" in table
+
+
+def test_serve_systems_replays_the_same_span_of_traffic_at_every_rate():
+    trace = serving_trace("alpaca", 30, None, seed=3, scale=0.25)
+    common = dict(kv_cache_tokens=512, max_num_seqs=8, max_model_len=512)
+    exp = serve_systems("tiny", trace, common, rates=[100.0, 400.0], systems=["vllm", "orca-max"], seconds=0.05,
+                        min_requests=8)
+    # the closed loop takes the first min_requests; each rate max(min_requests, rate x seconds) of them
+    assert {k: len(run.requests) for k, run in exp.runs.items()} == {
+        ("vllm", None): 8, ("orca-max", None): 8, ("vllm", 100.0): 8, ("orca-max", 100.0): 8,
+        ("vllm", 400.0): 20, ("orca-max", 400.0): 20}
+    run = exp.runs[("vllm", 400.0)]
+    assert sorted(int(r.request_id.rsplit(":", 1)[-1]) for r in run.requests) == list(range(20))
+    assert max(r.arrival for r in run.requests) < 0.2  # 20 arrivals at 400 req/s: about 0.05 s
+    with pytest.raises(ValueError, match="needs 40 requests"):
+        serve_systems("tiny", trace, common, rates=[800.0], systems=["vllm"], seconds=0.05, min_requests=8)
 
 
 def test_static_batching_leaves_finished_members_slots_idle():

@@ -349,23 +349,32 @@ class Experiment:
 
 
 def serve_systems(model: str, trace: list[TraceRequest], common: dict, rates=(), systems=SYSTEM_NAMES,
-                  device: str = "cpu", dtype: str = "float32", seed: int = 0, log=None) -> Experiment:
+                  device: str = "cpu", dtype: str = "float32", seed: int = 0, log=None,
+                  seconds: float | None = None, min_requests: int = 100) -> Experiment:
     """Run the closed loop for every system, then a real-time replay at each of ``rates`` (requests/s),
     the systems taking turns at each rate (so a drift in the machine's speed hits them alike).
 
     Every system gets the same model, trace and ``common`` knobs (KV size, ``max_num_seqs``, ...).
+    With ``seconds``, each rate replays ``rate x seconds`` requests (at least ``min_requests``) from the
+    start of ``trace``, and the closed loop the first ``min_requests``: every rate is then the same span
+    of traffic, long enough at a high rate for queues to build up as they would in a real deployment.
     """
     from tinypaged import LLM
 
+    counts = {rate: len(trace) if seconds is None else max(min_requests, math.ceil(rate * seconds)) for rate in rates}
+    for rate, n in counts.items():
+        if n > len(trace):
+            raise ValueError(f"{rate} req/s for {seconds} s needs {n} requests; the trace has {len(trace)}")
     exp = Experiment(trace, dict(common))
+    closed = trace if seconds is None else trace[:min_requests]
     llms = {}
     with quiet(), shared_weights():
         for name in systems:
             llms[name] = LLM(model, device=device, dtype=dtype, seed=seed, **system_config(name, **common))
             replay(llms[name], with_rate(trace[:4], 1000.0, seed), name)  # warm-up
-            exp.runs[(name, None)] = replay(llms[name], trace, name, None, seed)
+            exp.runs[(name, None)] = replay(llms[name], closed, name, None, seed)
         for rate in rates:
-            moved = with_rate(trace, rate, seed)
+            moved = with_rate(trace[:counts[rate]], rate, seed)
             for name in systems:
                 t0 = time.perf_counter()
                 exp.runs[(name, rate)] = replay(llms[name], moved, name, rate, seed)
