@@ -38,12 +38,13 @@ import time
 from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
                                sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.simulator import (OPT13B_A100, LinearCostModel, calibration_steps, check_against, knee_rates,
+from tinypaged.simulator import (OPT13B_A100, StepCostModel, calibration_steps, check_against, knee_rates,
                                  paper_setup, sweep, validate)
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
 NUM_RATES = 6  # real-time rates per dataset
+LONG_TRACE = 4000  # requests drawn for the knee search; a rate's run replays rate x --seconds of them
 VALIDATION_ATTEMPTS, MAX_STEP_ERROR = 5, 0.05  # re-measure a rate whose calibration missed its steps by > 5%
 
 # Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
@@ -91,15 +92,19 @@ def realtime(args, dataset):
         f"{s['max_total']}); max_model_len {common['max_model_len']} (2048 x{scale:g}); KV cache "
         f"{common['kv_cache_tokens']} tokens for every system (15.7K x{scale:g}); max_num_seqs {args.max_num_seqs}; "
         f"block 16; output lengths forced; Poisson arrivals.")
+    # knees are searched on the span of traffic every rate replays (a trace far longer than any rate needs)
+    long_trace = serving_trace(dataset, max(args.requests, LONG_TRACE), None, seed=0, scale=scale)
+    knees_of = lambda m: knee_rates(m, long_trace, num=2, duration=args.seconds,  # noqa: E731
+                                    min_requests=args.requests, **common)  # [Orca (Max)'s knee, vLLM's]
     with quiet(), shared_weights():
         llm = LLM(args.model, device=args.device, dtype="float32", seed=0, **system_config("vllm", **common))
         replay(llm, with_rate(calibration[:4], 1000.0), "vllm")
-        model = LinearCostModel.fit(calibration_steps(llm, calibration))
+        model = StepCostModel.fit(calibration_steps(llm, calibration))
         if not args.rates:  # closed-loop steps run faster than steps under arrivals: refit on a real-time run
-            probe = knee_rates(model, trace, num=2, **common)[-1] / 2
-            model = LinearCostModel.fit(replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
+            probe = knees_of(model)[-1] / 2
+            model = StepCostModel.fit(replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
     say(f"Step-time model fitted on runs of {len(calibration)} other requests: {model.describe()}")
-    knees = knee_rates(model, trace, num=2, **common)  # Orca (Max)'s predicted knee, then vLLM's
+    knees = knees_of(model)
     if args.rates:
         rates = sorted(args.rates)
     else:  # evenly spaced (geometrically) from half the lower knee to 1.5x vLLM's: light load to overload
@@ -108,12 +113,11 @@ def realtime(args, dataset):
     say(f"Rates (req/s): {rates} (from half of the lower of the calibrated simulator's knees, Orca (Max) "
         f"{knees[0]:g} and vLLM {knees[-1]:g}, to 1.5x vLLM's); {args.seconds:g} s of Poisson traffic per rate "
         f"(at least {args.requests} requests)")
-    long_trace = serving_trace(dataset, max(args.requests, math.ceil(max(rates) * args.seconds)), None, seed=0,
-                               scale=scale)
+    long_trace = long_trace[:max(args.requests, math.ceil(max(rates) * args.seconds))]
     exp = serve_systems(args.model, long_trace, common, rates=rates, device=args.device, log=say,
                         seconds=args.seconds, min_requests=args.requests)
     # the step costs of this period: vLLM's real-time runs, measured interleaved with the other systems'
-    period = LinearCostModel.fit([st for r in rates for st in exp.runs[("vllm", r)].steps])
+    period = StepCostModel.fit([st for r in rates for st in exp.runs[("vllm", r)].steps])
     say(f"Step-time model of vLLM's real-time runs above: {period.describe()}")
     say(f"\nThe first {args.requests} requests queued at t=0 (closed loop, no timing involved): " + ", ".join(
         f"{get_system(n).label} {len(exp.runs[(n, None)].steps)} steps / largest batch "
@@ -211,14 +215,16 @@ def run_vllm(args):
     for dataset in args.datasets:
         cfg = DATASETS[dataset]
         common = paper_setup(cfg["scale"], max_num_seqs=args.max_num_seqs)
-        trace = serving_trace(dataset, args.requests, None, seed=0, scale=cfg["scale"])
+        rates = sorted(args.rates or [5.0, 10.0, 20.0, 40.0])
+        count = {r: max(args.requests, math.ceil(r * args.seconds)) for r in rates}  # as Part 1: same span per rate
+        trace = serving_trace(dataset, max(count.values()), None, seed=0, scale=cfg["scale"])
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=args.model, max_num_seqs=common["max_num_seqs"], block_size=16, max_model_len=common["max_model_len"],
             num_gpu_blocks_override=common["kv_cache_tokens"] // 16, enable_prefix_caching=False, seed=0))
         runs = {}
-        for rate in args.rates or [5.0, 10.0, 20.0, 40.0]:
-            runs[("vLLM (real)", rate)] = replay_vllm(engine, with_rate(trace, rate, seed=0), SamplingParams, rate,
-                                                      max_num_seqs=common["max_num_seqs"])
+        for rate in rates:
+            runs[("vLLM (real)", rate)] = replay_vllm(engine, with_rate(trace[:count[rate]], rate, seed=0),
+                                                      SamplingParams, rate, max_num_seqs=common["max_num_seqs"])
         say(f"\n== vLLM {dataset}: {args.model}, KV {common['kv_cache_tokens']} tokens, max_num_seqs "
             f"{common['max_num_seqs']} ==")
         say(serving_table(runs))

@@ -8,7 +8,8 @@ import pytest
 from tinypaged import LLM
 from tinypaged.serving import (PAPER_KV_TOKENS, BatchShape, StepRecord, quiet, replay, serving_trace, shared_weights,
                                system_config, with_rate)
-from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, check_against,
+from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, StepCostModel,
+                                 check_against,
                                  knee_rates, paper_setup, simulate, sweep, validate)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -117,6 +118,27 @@ def test_linear_cost_model_fit_recovers_known_costs_and_stays_non_negative():
     assert all(c >= 0 for c in LinearCostModel.fit(noisy).coefficients)
     with pytest.raises(ValueError, match="at least"):
         LinearCostModel.fit(steps[:3])
+
+
+def test_step_cost_model_learns_a_staircase_in_batch_size_and_falls_back_to_the_line():
+    line = LinearCostModel(0.001, 0.0, 0.0005, 0.0)
+    jump = lambda n: 0.0015 if n >= 4 else 0.0  # noqa: E731  (a kernel switch at 4 sequences, as on this CPU)
+    steps = []
+    for i in range(400):
+        n = 1 + i % 8  # batches of 1-8 only
+        shape = BatchShape.of([(10, 1, "decode")] * n)
+        steps.append(StepRecord(0, line(shape) + jump(n), shape, n))
+    fit = StepCostModel.fit(steps)
+    lin = LinearCostModel.fit(steps)
+    for n in range(1, 9):
+        shape = BatchShape.of([(10, 1, "decode")] * n)
+        assert abs(fit(shape) - (line(shape) + jump(n))) < 1e-4, n  # within 0.1 ms (the ridge shrinks a little)
+    # the straight line misses the staircase by far more at the small batches a light load runs
+    small = BatchShape.of([(10, 1, "decode")] * 3)
+    assert abs(lin(small) - line(small)) > 4 * abs(fit(small) - line(small))
+    # batch sizes never seen: no correction beyond the last knot it saw, the line's slope carries on
+    assert abs(fit.correction(64) - fit.correction(32)) < 1e-4
+    assert StepCostModel.fit(steps[:50]).describe().startswith(LinearCostModel.fit(steps[:50]).describe())
 
 
 def test_bad_configurations_are_refused_with_the_reason():

@@ -14,6 +14,8 @@ being refactored, and only that class should need to follow it.
 Cost models map a ``BatchShape`` (tokens, sequences, context read) to seconds:
 
 * ``LinearCostModel``: fitted (non-negative least squares) to step times measured on this machine;
+* ``StepCostModel``: that line plus a correction by batch size (a CPU's matrix multiplies, or a GPU's
+  CUDA-graph sizes, make a step's cost a staircase in its batch size); the calibrated model of choice;
 * ``RooflineCostModel``: the slower of compute and memory traffic on a GPU; ``OPT13B_A100`` is
   OPT-13B in fp16 on one A100-40GB, the paper's main setting.
 
@@ -161,6 +163,57 @@ class LinearCostModel:
     def describe(self) -> str:
         return (f"{self.per_step * 1e3:.2f} ms per step + {self.per_token * 1e3:.3f} ms per token + "
                 f"{self.per_seq * 1e3:.3f} ms per sequence + {self.per_context * 1e6:.3f} us per context token")
+
+
+BATCH_KNOTS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """A ``LinearCostModel`` plus a correction by batch size: seconds = linear(shape) + correction(sequences).
+
+    A step's cost is not a straight line in its batch size. On a CPU the matrix-multiply library picks
+    another kernel as the batch grows (tinypaged's ``tiny`` model: 1.6 ms for one sequence, 2.9 ms for
+    three, 4.0 ms for four); on a GPU vLLM pads each decode batch up to the next CUDA-graph size. The
+    correction is piecewise linear between ``BATCH_KNOTS`` and is fitted to what the line leaves (ridge
+    least squares, ``ridge`` in units of steps): a batch size seen in many calibration steps gets its own
+    cost, one seen rarely or never falls back to the line.
+    """
+
+    linear: LinearCostModel
+    knots: tuple[int, ...] = BATCH_KNOTS
+    corrections: tuple[float, ...] = (0.0,) * len(BATCH_KNOTS)
+
+    def correction(self, num_seqs: int) -> float:
+        import numpy as np
+
+        return float(np.interp(num_seqs, self.knots, self.corrections))
+
+    def __call__(self, shape: BatchShape) -> float:
+        return max(0.0, self.linear(shape) + self.correction(shape.num_seqs))
+
+    @classmethod
+    def fit(cls, steps: list[StepRecord], ridge: float = 5.0, knots=BATCH_KNOTS) -> "StepCostModel":
+        import numpy as np
+
+        line = LinearCostModel.fit(steps)
+        residual = np.array([s.duration - line(s.shape) for s in steps])
+        hat = np.zeros((len(steps), len(knots)))  # each step's weight on each knot (linear interpolation)
+        for i, s in enumerate(steps):
+            n = min(max(s.num_seqs, knots[0]), knots[-1])
+            j = int(np.searchsorted(knots, n))
+            if knots[j] == n:
+                hat[i, j] = 1.0
+            else:
+                w = (n - knots[j - 1]) / (knots[j] - knots[j - 1])
+                hat[i, j - 1], hat[i, j] = 1 - w, w
+        corr = np.linalg.solve(hat.T @ hat + ridge * np.eye(len(knots)), hat.T @ residual)
+        return cls(line, tuple(knots), tuple(float(c) for c in corr))
+
+    def describe(self) -> str:
+        shown = [k for k in (1, 2, 4, 8, 16, 32) if k in self.knots]
+        return (self.linear.describe() + "; by batch size: " + ", ".join(
+            f"{k} seq {1e3 * self.correction(k):+.2f} ms" for k in shown))
 
 
 @dataclass(frozen=True)
@@ -331,9 +384,9 @@ def calibration_steps(llm, calibration_trace: list[TraceRequest], system: str = 
         return replay(llm, calibration_trace, system, None, seed).steps
 
 
-def calibrate(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> LinearCostModel:
-    """A ``LinearCostModel`` fitted to ``calibration_steps``."""
-    return LinearCostModel.fit(calibration_steps(llm, calibration_trace, system, seed))
+def calibrate(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> StepCostModel:
+    """A ``StepCostModel`` fitted to ``calibration_steps``."""
+    return StepCostModel.fit(calibration_steps(llm, calibration_trace, system, seed))
 
 
 def check_against(model, measured: dict, system: str = "vllm", **common) -> list[Validation]:
@@ -344,7 +397,7 @@ def check_against(model, measured: dict, system: str = "vllm", **common) -> list
         trace = [TraceRequest(int(r.request_id.rsplit(":", 1)[-1]), r.prompt_len, r.output_len, r.arrival)
                  for r in real.requests]
         sim = simulate(trace, model, system, rate, **common)
-        own = simulate(trace, LinearCostModel.fit(real.steps), system, rate, **common)
+        own = simulate(trace, StepCostModel.fit(real.steps), system, rate, **common)
         busy = sum(s.duration for s in real.steps)
         out.append(Validation(rate, real.summary()["normalized_latency"], sim.summary()["normalized_latency"],
                               sum(model(s.shape) for s in real.steps) / busy - 1, own.summary()["normalized_latency"]))
@@ -373,7 +426,7 @@ def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceReques
             for attempt in range(1, attempts + 1):
                 real = replay(llm, with_rate(trace, rate, seed), system, rate, seed)
                 after = cal(attempt) if bracket else []
-                model = LinearCostModel.fit(before + after)
+                model = StepCostModel.fit(before + after)
                 v = check_against(model, {rate: real}, system, **common)[0]
                 v.attempt, v.model = attempt, model
                 out.append(v)
@@ -384,10 +437,13 @@ def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceReques
 
 
 def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fast: str = "vllm", num: int = 3,
-               factor: float = 5.0, **common) -> list[float]:
+               factor: float = 5.0, duration: float | None = None, min_requests: int = 50,
+               **common) -> list[float]:
     """``num`` request rates from ``slow``'s predicted knee to ``fast``'s (geometrically spaced), where a
     knee is the highest rate whose simulated mean normalized latency stays under ``factor`` x ``fast``'s
-    at a light load. Used to pick real-time rates where the systems differ, on any machine's speed."""
+    at a light load. Used to pick real-time rates where the systems differ, on any machine's speed.
+    Pass the real runs' ``duration`` (and ``min_requests``) so that the knees are those of the same span
+    of traffic: a short burst of requests never builds the queue a long one does, so it overstates them."""
     from tinypaged.serving import sustainable_rate
 
     mean_out = sum(r.output_len for r in trace) / len(trace)
@@ -395,7 +451,9 @@ def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fa
     full = BatchShape.of([(32, 1, "decode")] * n)
     top = n / cost_model(full) / mean_out  # if every step were full: an upper bound on the rate
     grid = [top * 2 ** (-k / 2) for k in range(12, -1, -1)]
-    sw = sweep(trace, cost_model, grid, [slow, fast], **common)
+    if duration is not None:  # rates the trace is too short for cannot be simulated for that long
+        grid = [r for r in grid if max(min_requests, round(r * duration)) <= len(trace)] or grid[:1]
+    sw = sweep(trace, cost_model, grid, [slow, fast], duration=duration, min_requests=min_requests, **common)
     th = factor * sw.latency[fast][0]
     lo, hi = (sustainable_rate(grid, sw.latency[s], th) or grid[0] for s in (slow, fast))
     if hi <= lo:
