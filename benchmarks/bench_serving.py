@@ -12,8 +12,8 @@ Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock throu
   paper's ShareGPT and Alpaca statistics scaled down to fit a CPU, and the 2048-token cap and the
   paper's KV budget (15.7K token slots, OPT-13B on an A100-40GB) are scaled by the same factor, so
   each reservation policy fits as many requests at once as it did in the paper. The rates come from
-  a step-time model fitted on this machine first (runs of other requests): six rates, evenly spaced
-  from half the simulator's predicted knee of Orca (Max) to 1.5x vLLM's. Each rate replays the same
+  a step-time model fitted on this machine first (runs of other requests): seven rates, evenly spaced
+  from half the simulator's predicted knee of Orca (Max) to twice vLLM's. Each rate replays the same
   span of traffic (--seconds, at least --requests requests), long enough for queues to build.
 Part 2, the simulator against the engine: at three rates, a real-time vLLM run between two
   calibration runs of other requests at the same rate; the simulator, with the model fitted on those,
@@ -43,7 +43,7 @@ from tinypaged.simulator import (OPT13B_A100, StepCostModel, calibration_steps, 
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
-NUM_RATES = 6  # real-time rates per dataset
+NUM_RATES = 7  # real-time rates per dataset
 LONG_TRACE = 4000  # requests drawn for the knee search; a rate's run replays rate x --seconds of them
 VALIDATION_ATTEMPTS, MAX_STEP_ERROR = 5, 0.05  # re-measure a rate whose calibration missed its steps by > 5%
 
@@ -99,19 +99,20 @@ def realtime(args, dataset):
     with quiet(), shared_weights():
         llm = LLM(args.model, device=args.device, dtype="float32", seed=0, **system_config("vllm", **common))
         replay(llm, with_rate(calibration[:4], 1000.0), "vllm")
-        model = StepCostModel.fit(calibration_steps(llm, calibration))
-        if not args.rates:  # closed-loop steps run faster than steps under arrivals: refit on a real-time run
+        closed = calibration_steps(llm, calibration)  # every batch size, but faster than under arrivals
+        model = StepCostModel.fit(closed)
+        if not args.rates:  # add the steps of a real-time run at half the predicted knee: small batches, true speed
             probe = knees_of(model)[-1] / 2
-            model = StepCostModel.fit(replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
+            model = StepCostModel.fit(closed + replay(llm, with_rate(calibration, probe, 99), "vllm", probe).steps)
     say(f"Step-time model fitted on runs of {len(calibration)} other requests: {model.describe()}")
     knees = knees_of(model)
     if args.rates:
         rates = sorted(args.rates)
-    else:  # evenly spaced (geometrically) from half the lower knee to 1.5x vLLM's: light load to overload
-        lo, hi = min(knees) / 2, 1.5 * knees[-1]
+    else:  # evenly spaced (geometrically) from half the lower knee to twice vLLM's: light load to overload
+        lo, hi = min(knees) / 2, 2 * max(knees)
         rates = [round(lo * (hi / lo) ** (i / (NUM_RATES - 1)), 1) for i in range(NUM_RATES)]
     say(f"Rates (req/s): {rates} (from half of the lower of the calibrated simulator's knees, Orca (Max) "
-        f"{knees[0]:g} and vLLM {knees[-1]:g}, to 1.5x vLLM's); {args.seconds:g} s of Poisson traffic per rate "
+        f"{knees[0]:g} and vLLM {knees[-1]:g}, to twice vLLM's); {args.seconds:g} s of Poisson traffic per rate "
         f"(at least {args.requests} requests)")
     long_trace = long_trace[:max(args.requests, math.ceil(max(rates) * args.seconds))]
     exp = serve_systems(args.model, long_trace, common, rates=rates, device=args.device, log=say,
