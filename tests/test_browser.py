@@ -58,14 +58,18 @@ def output_state(page, widget):
     return "\n".join(text), src
 
 
-def wait_for_change(page, widget, before, timeout_s=60):
+def wait_for_change(page, widget, before, settled=lambda state: True, timeout_s=60):
+    """The widget's output once it differs from ``before``, shows text and a drawing, and ``settled``
+    holds: an update arrives as several messages (cleared, text, image), so the page passes through
+    states that are neither the old output nor the new one."""
     deadline = time.monotonic() + timeout_s
+    now = before
     while time.monotonic() < deadline:
         now = output_state(page, widget)
-        if now != before and now[0] and now[1]:
+        if now != before and now[0] and now[1] and settled(now):
             return now
         page.wait_for_timeout(200)
-    raise AssertionError(f"the widget's output did not change within {timeout_s}s (still {before[0][:80]!r})")
+    return now  # the caller's assertions say what is wrong with it
 
 
 def check_stepper(page, out_dir):
@@ -79,16 +83,16 @@ def check_stepper(page, out_dir):
     page.screenshot(path=str(out_dir / "04_stepper_start.png"))
 
     widget.get_by_role("button", name="step").click()
-    one = wait_for_change(page, widget, start)
+    one = wait_for_change(page, widget, start, lambda st: st[0].startswith("step   0") and st[1] != start[1])
     assert one[0].splitlines()[0].startswith("step   0"), f"after one click the trace should show step 0: {one[0][:200]!r}"
     assert one[1] != start[1], "the drawing did not change after a step"
     widget.get_by_role("button", name="step").click()
-    two = wait_for_change(page, widget, one)
+    two = wait_for_change(page, widget, one, lambda st: st[0].startswith("step   1"))
     assert two[0].splitlines()[0].startswith("step   1"), f"after two clicks the trace should show step 1: {two[0][:200]!r}"
     page.screenshot(path=str(out_dir / "04_stepper_after_2_steps.png"))
 
     widget.get_by_role("button", name="reset").click()
-    back = wait_for_change(page, widget, two)
+    back = wait_for_change(page, widget, two, lambda st: st == start)
     assert back[0] == start[0], f"reset should restore the start: {back[0][:200]!r}"
     assert back[1] == start[1], "reset should restore the start's drawing"
     page.screenshot(path=str(out_dir / "04_stepper_reset.png"))
