@@ -2,7 +2,7 @@
 the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
 
     python benchmarks/bench_serving.py                 # about 10-15 minutes on a 2-core CPU
-    python benchmarks/bench_serving.py --quick         # about 2 minutes
+    python benchmarks/bench_serving.py --quick         # about 4 minutes (ShareGPT only, 2 s per rate)
     python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
 
 Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock through the real engine,
@@ -46,6 +46,7 @@ THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized lat
 NUM_RATES = 7  # real-time rates per dataset
 LONG_TRACE = 4000  # requests drawn for the knee search; a rate's run replays rate x --seconds of them
 VALIDATION_ATTEMPTS, MAX_STEP_ERROR = 5, 0.05  # re-measure a rate whose calibration missed its steps by > 5%
+VALIDATION_REQUESTS = 100  # at least this many requests per validation run, --quick included
 
 # Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
 # Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
@@ -153,6 +154,11 @@ def realtime(args, dataset):
         f"{MAX_STEP_ERROR:.0%} (the machine's speed changed in between: the simulator's input, not the simulator, "
         f"was wrong); every attempt is printed. 'own steps' refits on the measured run's steps: the error left is "
         f"the simulator's.")
+    n = max(args.requests, VALIDATION_REQUESTS)  # fewer make one run's mean latency too noisy for a 15% check
+    if n > len(trace):
+        trace = serving_trace(dataset, n, None, seed=0, scale=scale)
+        calibration = serving_trace(dataset, n, None, seed=1, scale=scale)
+    say(f"{n} requests per run.")
     with quiet(), shared_weights():
         checks = validate(llm, calibration, trace, val_rates, attempts=VALIDATION_ATTEMPTS,
                           max_step_error=MAX_STEP_ERROR, **common)
