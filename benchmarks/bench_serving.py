@@ -31,19 +31,22 @@ installed, and prints the same table; elsewhere it says why it is skipped.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
 from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
-                               span_of, span_requests, sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.simulator import (OPT13B_A100, VALIDATION_REQUESTS, StepCostModel, calibration_steps, check_against,
-                                 knee_rates, paper_setup, sweep, validate)
+                               sustainable_rate, system_config, vllm_available, with_rate)
+from tinypaged.simulator import (OPT13B_A100, StepCostModel, calibration_steps, check_against, knee_rates,
+                                 paper_setup, sweep, validate)
 from tinypaged.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
 NUM_RATES = 7  # real-time rates per dataset
 LONG_TRACE = 4000  # requests drawn for the knee search; a rate's run replays rate x --seconds of them
+VALIDATION_ATTEMPTS, MAX_STEP_ERROR = 5, 0.05  # re-measure a rate whose calibration missed its steps by > 5%
+VALIDATION_REQUESTS = 100  # at least this many requests per validation run, --quick included
 
 # Per dataset: length scale for the CPU, real-time rates (req/s) for the tiny model, OPT-13B simulated rates.
 # Per dataset: length scale for the CPU; OPT-13B simulation: seconds of traffic per rate, static batching's
@@ -112,7 +115,7 @@ def realtime(args, dataset):
     say(f"Rates (req/s): {rates} (from half of the lower of the calibrated simulator's knees, Orca (Max) "
         f"{knees[0]:g} and vLLM {knees[-1]:g}, to twice vLLM's); {args.seconds:g} s of Poisson traffic per rate "
         f"(at least {args.requests} requests)")
-    long_trace = long_trace[:span_requests(max(rates), args.seconds, args.requests)]
+    long_trace = long_trace[:max(args.requests, math.ceil(max(rates) * args.seconds))]
     exp = serve_systems(args.model, long_trace, common, rates=rates, device=args.device, log=say,
                         seconds=args.seconds, min_requests=args.requests)
     # the step costs of this period: vLLM's real-time runs, measured interleaved with the other systems'
@@ -146,17 +149,19 @@ def realtime(args, dataset):
     val_rates = rates[:3] if args.rates else [round(f * knees[-1], 1) for f in (0.4, 0.6, 0.8)]
     say(f"vLLM at {val_rates} req/s (0.4, 0.6, 0.8 x its predicted knee; near the knee any error in step costs is "
         f"multiplied by queueing). At each rate: a real-time run of the other requests at that rate, the measured "
-        f"run, another run of the other requests; the model is fitted on those two. Measured again (up to 5 "
-        f"times) when that model misjudges the measured run's own steps by over 5% (the machine's speed changed "
-        f"in between: the simulator's input, not the simulator, was wrong); every attempt is printed. 'own steps' refits on the measured run's steps: the error left is "
+        f"run, another run of the other requests; the model is fitted on those two. Measured again (up to "
+        f"{VALIDATION_ATTEMPTS} times) when that model misjudges the measured run's own steps by over "
+        f"{MAX_STEP_ERROR:.0%} (the machine's speed changed in between: the simulator's input, not the simulator, "
+        f"was wrong); every attempt is printed. 'own steps' refits on the measured run's steps: the error left is "
         f"the simulator's.")
-    n = max(args.requests, VALIDATION_REQUESTS)
+    n = max(args.requests, VALIDATION_REQUESTS)  # fewer make one run's mean latency too noisy for a 15% check
     if n > len(trace):
         trace = serving_trace(dataset, n, None, seed=0, scale=scale)
         calibration = serving_trace(dataset, n, None, seed=1, scale=scale)
     say(f"{n} requests per run.")
     with quiet(), shared_weights():
-        checks = validate(llm, calibration, trace, val_rates, **common)
+        checks = validate(llm, calibration, trace, val_rates, attempts=VALIDATION_ATTEMPTS,
+                          max_step_error=MAX_STEP_ERROR, **common)
     rows = [[f"{v.rate:g}", v.attempt, f"{v.measured:.4f}", f"{v.predicted:.4f}", f"{100 * v.error:+.1f}%",
              f"{100 * v.step_model_error:+.1f}%", f"{100 * v.own_steps_error:+.1f}%"] for v in checks]
     say(format_table(["rate req/s", "attempt", "measured s/token", "simulated s/token", "error", "step model",
@@ -218,17 +223,15 @@ def run_vllm(args):
         cfg = DATASETS[dataset]
         common = paper_setup(cfg["scale"], max_num_seqs=args.max_num_seqs)
         rates = sorted(args.rates or [5.0, 10.0, 20.0, 40.0])
-        # as Part 1: the same span of traffic at every rate
-        trace = serving_trace(dataset, span_requests(max(rates), args.seconds, args.requests), None, seed=0,
-                              scale=cfg["scale"])
+        count = {r: max(args.requests, math.ceil(r * args.seconds)) for r in rates}  # as Part 1: same span per rate
+        trace = serving_trace(dataset, max(count.values()), None, seed=0, scale=cfg["scale"])
         engine = LLMEngine.from_engine_args(EngineArgs(
             model=args.model, max_num_seqs=common["max_num_seqs"], block_size=16, max_model_len=common["max_model_len"],
             num_gpu_blocks_override=common["kv_cache_tokens"] // 16, enable_prefix_caching=False, seed=0))
         runs = {}
         for rate in rates:
-            moved = with_rate(span_of(trace, rate, args.seconds, args.requests), rate, seed=0)
-            runs[("vLLM (real)", rate)] = replay_vllm(engine, moved, SamplingParams, rate,
-                                                      max_num_seqs=common["max_num_seqs"])
+            runs[("vLLM (real)", rate)] = replay_vllm(engine, with_rate(trace[:count[rate]], rate, seed=0),
+                                                      SamplingParams, rate, max_num_seqs=common["max_num_seqs"])
         say(f"\n== vLLM {dataset}: {args.model}, KV {common['kv_cache_tokens']} tokens, max_num_seqs "
             f"{common['max_num_seqs']} ==")
         say(serving_table(runs))

@@ -115,22 +115,6 @@ def with_rate(trace: list[TraceRequest], rate: float, seed: int = 0) -> list[Tra
     return out
 
 
-def span_requests(rate: float, seconds: float, min_requests: int) -> int:
-    """Requests in ``seconds`` of traffic at ``rate`` requests/s (at least ``min_requests``): replaying
-    that many at every rate keeps the span of traffic the same, so overload lasts as long at each."""
-    return max(min_requests, math.ceil(rate * seconds))
-
-
-def span_of(trace: list[TraceRequest], rate: float, seconds: float | None, min_requests: int) -> list[TraceRequest]:
-    """The first ``span_requests`` requests of ``trace`` (all of it when ``seconds`` is None)."""
-    if seconds is None:
-        return trace
-    n = span_requests(rate, seconds, min_requests)
-    if n > len(trace):
-        raise ValueError(f"{rate} req/s for {seconds} s needs {n} requests; the trace has {len(trace)}")
-    return trace[:n]
-
-
 # -- records ------------------------------------------------------------------------------------------
 @dataclass
 class RequestRecord:
@@ -377,7 +361,10 @@ def serve_systems(model: str, trace: list[TraceRequest], common: dict, rates=(),
     """
     from tinypaged import LLM
 
-    spans = {rate: span_of(trace, rate, seconds, min_requests) for rate in rates}  # checked before any run
+    counts = {rate: len(trace) if seconds is None else max(min_requests, math.ceil(rate * seconds)) for rate in rates}
+    for rate, n in counts.items():
+        if n > len(trace):
+            raise ValueError(f"{rate} req/s for {seconds} s needs {n} requests; the trace has {len(trace)}")
     exp = Experiment(trace, dict(common))
     closed = trace if seconds is None else trace[:min_requests]
     llms = {}
@@ -387,7 +374,7 @@ def serve_systems(model: str, trace: list[TraceRequest], common: dict, rates=(),
             replay(llms[name], with_rate(trace[:4], 1000.0, seed), name)  # warm-up
             exp.runs[(name, None)] = replay(llms[name], closed, name, None, seed)
         for rate in rates:
-            moved = with_rate(spans[rate], rate, seed)
+            moved = with_rate(trace[:counts[rate]], rate, seed)
             for name in systems:
                 t0 = time.perf_counter()
                 exp.runs[(name, rate)] = replay(llms[name], moved, name, rate, seed)

@@ -29,7 +29,7 @@ import logging
 from dataclasses import dataclass, field
 
 from tinypaged.serving import (BatchShape, RequestRecord, ServingRun, StepRecord, get_system, quiet,
-                               scaled_max_model_len, span_of, span_requests, system_config)
+                               scaled_max_model_len, system_config)
 from tinypaged.workloads import TraceRequest
 
 
@@ -343,8 +343,10 @@ def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, 
         out.rates[s] = sorted(rates[s] if isinstance(rates, dict) else rates)
         out.latency[s], out.batched[s] = [], []
         for rate in out.rates[s]:
-            run = simulate(with_rate(span_of(trace, rate, duration, min_requests), rate, seed), cost_model, s, rate,
-                           **common)
+            n = len(trace) if duration is None else max(min_requests, round(rate * duration))
+            if n > len(trace):
+                raise ValueError(f"{rate} req/s for {duration} s needs {n} requests; the trace has {len(trace)}")
+            run = simulate(with_rate(trace[:n], rate, seed), cost_model, s, rate, **common)
             m = run.summary()
             out.latency[s].append(m["normalized_latency"])
             out.batched[s].append(m["batched"])
@@ -402,11 +404,8 @@ def check_against(model, measured: dict, system: str = "vllm", **common) -> list
     return out
 
 
-VALIDATION_REQUESTS = 100  # per validation run: with fewer, one run's mean latency is too noisy for a 15% check
-
-
 def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceRequest], rates, system: str = "vllm",
-             seed: int = 0, attempts: int = 5, max_step_error: float = 0.05, bracket: bool = True,
+             seed: int = 0, attempts: int = 3, max_step_error: float = 0.10, bracket: bool = True,
              **common) -> list[Validation]:
     """At each rate, calibrate on a real-time run of ``calibration_trace`` (other requests) at that
     rate, replay ``trace`` at once, and (``bracket``) calibrate again after it; fit the cost model on
@@ -453,7 +452,7 @@ def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fa
     top = n / cost_model(full) / mean_out  # if every step were full: an upper bound on the rate
     grid = [top * 2 ** (-k / 2) for k in range(12, -1, -1)]
     if duration is not None:  # rates the trace is too short for cannot be simulated for that long
-        grid = [r for r in grid if span_requests(r, duration, min_requests) <= len(trace)] or grid[:1]
+        grid = [r for r in grid if max(min_requests, round(r * duration)) <= len(trace)] or grid[:1]
     sw = sweep(trace, cost_model, grid, [slow, fast], duration=duration, min_requests=min_requests, **common)
     th = factor * sw.latency[fast][0]
     lo, hi = (sustainable_rate(grid, sw.latency[s], th) or grid[0] for s in (slow, fast))
