@@ -1,7 +1,7 @@
 """nbgrader configuration for the tinypaged course (read by every `nbgrader ...` command run from here).
 
 Layout (nbgrader's): <course>/source/<assignment>/<assignment>.ipynb is staged from
-solutions/<assignment>.ipynb by `python -m tinypaged.coursework release`; generate_assignment writes
+solutions/<assignment>.ipynb by `python -m tinypaged.course release`; generate_assignment writes
 <course>/release/, students' work goes to <course>/submitted/<student>/<assignment>/, autograde writes
 <course>/autograded/, and `nbgrader export` writes grades.csv. <course> is $TINYPAGED_COURSE or course/.
 See docs/INSTRUCTORS.md.
@@ -14,7 +14,7 @@ from nbconvert.preprocessors import ClearMetadataPreprocessor
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Execute, IgnorePattern, LimitOutput,
                                     SaveAutoGrades)
 
-from tinypaged.grading.nbgrader_verify import VerifyChecks
+from tinypaged.course.grading.nbgrader_verify import VerifyChecks
 
 HERE = Path(__file__).resolve().parent
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)

@@ -1,6 +1,6 @@
 """Stage 1 vs stage 2: where the KV memory goes, on ShareGPT-like and Alpaca-like traces.
 
-No model runs here: ``tinypaged.memory_sim`` replays request lengths through the real allocators
+No model runs here: ``tinypaged.lab.memory_sim`` replays request lengths through the real allocators
 (first-fit contiguous regions, or the block pool) and accounts for every slot at every step in
 which a request is waiting for memory. Three tables:
 
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tinypaged import memory_sim, workloads
+from tinypaged.lab import memory_sim, workloads
 from tinypaged.kv_cache import kv_bytes_per_token
 
 MAX_MODEL_LEN = 2048  # the paper's sequence cap

@@ -35,12 +35,12 @@ import math
 import sys
 import time
 
-from tinypaged.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
+from tinypaged.lab.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
                                sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.simulator import (OPT13B_A100, StepCostModel, calibration_steps, check_against, knee_rates,
+from tinypaged.lab.simulator import (OPT13B_A100, StepCostModel, calibration_steps, check_against, knee_rates,
                                  paper_setup, sweep, validate)
-from tinypaged.workloads import summarize
+from tinypaged.lab.workloads import summarize
 
 THRESHOLD_FACTOR = 5  # a system "sustains" a rate while its mean normalized latency stays under 5x the idle one
 NUM_RATES = 7  # real-time rates per dataset
@@ -217,7 +217,7 @@ def run_vllm(args):
         return 0
     from vllm import EngineArgs, LLMEngine, SamplingParams
 
-    from tinypaged.serving import replay_vllm
+    from tinypaged.lab.serving import replay_vllm
 
     for dataset in args.datasets:
         cfg = DATASETS[dataset]

@@ -1,6 +1,6 @@
 """Stage 3: what sharing KV blocks saves (parallel sampling, beam search, shared prompt prefixes).
 
-(a) Blocks with sharing vs without, on ShareGPT-like and Alpaca-like traces (tinypaged.workloads),
+(a) Blocks with sharing vs without, on ShareGPT-like and Alpaca-like traces (tinypaged.lab.workloads),
     next to the vLLM paper's savings (Fig. 15). Every count is checked against an analytic count.
     * Parallel sampling: the real BlockManager, no model. Each request prefills its prompt, forks
       n samples (the engine's ``_expand_forks``), and each sample appends ``output_len`` tokens one
@@ -32,7 +32,8 @@ import time
 
 import torch
 
-from tinypaged import LLM, SamplingParams, workloads
+from tinypaged import LLM, SamplingParams
+from tinypaged.lab import workloads
 from tinypaged.beam_search import beam_search, analytic_shared_blocks
 from tinypaged.block_manager import BlockManager, blocks_needed
 from tinypaged.sampling_params import BeamSearchParams

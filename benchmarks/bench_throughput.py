@@ -26,7 +26,7 @@ import torch
 import transformers
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.workloads import prompt_token_ids, sharegpt_like, summarize
+from tinypaged.lab.workloads import prompt_token_ids, sharegpt_like, summarize
 
 logging.getLogger("tinypaged").setLevel(logging.ERROR)  # no per-preemption warnings in the tables
 transformers.utils.logging.disable_progress_bar()

@@ -108,7 +108,7 @@ run_step() {
 grade_05() {
     # Full marks for the solution, nothing for the untouched exercise.
     local out
-    out=$("$PY" -m tinypaged.coursework grade solutions/05_triton_paged_attention.ipynb \
+    out=$("$PY" -m tinypaged.course grade solutions/05_triton_paged_attention.ipynb \
           exercises/05_triton_paged_attention.ipynb 2>/dev/null) || return 1
     echo "$out"
     grep -Eq '^solutions/05_triton_paged_attention.ipynb: ([0-9]+)/\1$' <<<"$out" \
@@ -120,7 +120,7 @@ run_step kernel_tests 240 300 "$PY" -m pytest tests/test_kernels.py tests/test_t
 run_step benchmark 120 200 "$PY" benchmarks/bench_paged_attention.py "${BENCH_ARGS[@]}"
 FIGURES+=("$(grep -h '^summary:' "$LOG_DIR/gpu_check_benchmark.log" 2>/dev/null | sed 's/^summary: /  /')")
 
-# Notebooks on the GPU: the lessons read TINYPAGED_DEVICE (tinypaged.lesson_prompts.LESSON_DEVICE).
+# Notebooks on the GPU: the lessons read TINYPAGED_DEVICE (tinypaged.course.lesson_prompts.LESSON_DEVICE).
 NOTEBOOKS=(); EXERCISES=(); SKIPPED_NB=()
 for nb in notebooks/*.ipynb solutions/*.ipynb exercises/*.ipynb; do
     if (( ! SMOL )) && grep -q 'smollm2-135m\|smollm2_folder\|get_tokenizer' "$nb"; then SKIPPED_NB+=("$nb"); continue; fi

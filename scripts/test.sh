@@ -7,7 +7,7 @@ bash scripts/setup_env.sh
 export PATH="$PWD/.venv/bin:$PATH" PYTHONHASHSEED=0 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
-python -m tinypaged.coursework check             # exercises must match their solutions
+python -m tinypaged.course check             # exercises must match their solutions
 python -m pytest -q tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab "$@"
 # Notebooks and solutions: strict output comparison. Exercises: run, outputs not compared.
 python -m pytest -q -p no:randomly --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions

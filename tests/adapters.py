@@ -7,7 +7,7 @@ learner wrote in that notebook instead (the notebook's stage comes from its meta
     TINYPAGED_SUBMISSION=exercises/02_block_table.ipynb python -m pytest tests/test_checks.py
 
 This runs the notebook's code in the test process: a quick self-test for learners, not grading
-(``python -m tinypaged.coursework grade`` runs each notebook in its own kernel and verifies outside it).
+(``python -m tinypaged.course grade`` runs each notebook in its own kernel and verifies outside it).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from tinypaged import checks
-from tinypaged.grading.notebook import source_of, stage_of
+from tinypaged.course import checks
+from tinypaged.course.grading.notebook import source_of, stage_of
 
 
 def notebook_namespace(path: Path) -> dict:

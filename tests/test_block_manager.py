@@ -14,10 +14,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tinypaged import checks
+from tinypaged.course import checks
 from tinypaged.attention import gather_kv, paged_context_slots, slot_mapping
 from tinypaged.block_manager import BlockManager
-from tinypaged.checks import stage02
+from tinypaged.course.checks import stage02
 
 
 class FakeSeq:

@@ -3,7 +3,7 @@
 import pytest
 
 from adapters import implementation, under_test
-from tinypaged import checks
+from tinypaged.course import checks
 
 checks._load_all()
 # Serving checks run SmolLM2 and compare with transformers: tests/test_grading.py grades them.
@@ -61,7 +61,7 @@ def test_messages_name_the_case_the_step_and_both_values(capsys):
 
 
 def test_assert_style_checks_still_register():
-    from tinypaged.checks import register
+    from tinypaged.course.checks import register
 
     @register("99", "double", reference=lambda: (lambda x: 2 * x))
     def check_double(fn):

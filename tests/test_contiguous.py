@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from tinypaged import LLM, SamplingParams, checks
+from tinypaged import LLM, SamplingParams
+from tinypaged.course import checks
 from tinypaged.contiguous import (
     ContiguousArena,
     ContiguousKVManager,

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from tinypaged import checks, coursework
-from tinypaged.grading import notebook as nbk
-from tinypaged.grading.scan import scan_notebook
-from tinypaged.grading.verify import apply_to_notebook, verify
+from tinypaged.course import checks, coursework
+from tinypaged.course.grading import notebook as nbk
+from tinypaged.course.grading.scan import scan_notebook
+from tinypaged.course.grading.verify import apply_to_notebook, verify
 
 SOLVED = """def add(a, b):
     ### BEGIN SOLUTION
@@ -95,7 +95,7 @@ def test_exercises_hold_no_solutions_hidden_tests_or_outputs():
 
 # ---------------------------------------------------------------- rebuilding a submission
 
-SOURCE = nb(code("from tinypaged.checks import check", "setup"),
+SOURCE = nb(code("from tinypaged.course.checks import check", "setup"),
             code(SOLVED, "add", "solution"),
             code('check("x", add)\n### BEGIN HIDDEN TESTS\ncheck("x", add, hidden=1)\n### END HIDDEN TESTS', "t_add",
                  "test", points=2))
@@ -109,7 +109,7 @@ def test_assemble_puts_back_the_instructors_cells_and_keeps_the_learners():
     sub["cells"].insert(1, code("helper = 1"))  # an added cell
     run = nbk.assemble(SOURCE, sub)
     srcs = [nbk.source_of(c) for c in run["cells"]]
-    assert srcs[0] == "from tinypaged.checks import check"
+    assert srcs[0] == "from tinypaged.course.checks import check"
     assert srcs[1] == "helper = 1" and nbk.role(run["cells"][1]) == nbk.LEARNER
     assert srcs[2] == "def add(a, b):\n    return a - b\n" and nbk.role(run["cells"][2]) == nbk.LEARNER
     assert "hidden=1" in srcs[3] and nbk.points(run["cells"][3]) == 2
@@ -153,15 +153,15 @@ def test_scan_finds_reuse_of_a_reference(src):
 
 
 def test_scan_finds_the_package_stage_module_of_references():
-    found = scan("from tinypaged.checks import stage03 as ref\ndef fork(t, r):\n    return ref.fork(t, r)")
+    found = scan("from tinypaged.course.checks import stage03 as ref\ndef fork(t, r):\n    return ref.fork(t, r)")
     kinds = {f.kind for f in found}
     assert "reuse" in kinds and "tamper" in kinds  # a reference, reached through the grader's own modules
 
 
 @pytest.mark.parametrize("src", [
-    "import tinypaged.checks\ntinypaged.checks.evaluate = lambda *a: ('PASS', '')",
+    "import tinypaged.course.checks\ntinypaged.checks.evaluate = lambda *a: ('PASS', '')",
     "from tinypaged import checks\nsetattr(checks, 'check', print)",
-    "import sys\nsys.modules['tinypaged.checks'] = None",
+    "import sys\nsys.modules['tinypaged.course.checks'] = None",
     "exec('import tinypaged')",
     "import os\nos.environ.pop('TINYPAGED_GRADING')",
     "contiguous.first_fit = lambda h, s: 0",
@@ -172,7 +172,7 @@ def test_scan_finds_tampering(src):
 
 
 @pytest.mark.parametrize("src", [
-    "from tinypaged.checks import check\ncheck('first_fit', first_fit)",
+    "from tinypaged.course.checks import check\ncheck('first_fit', first_fit)",
     "import torch\ntorch.backends.cudnn.deterministic = True",
     "class A:\n    def __init__(self):\n        self.free = []\n        self.free.append(1)",
     "from tinypaged.block_manager import hash_block_tokens\nh = hash_block_tokens(None, [1])",
@@ -200,7 +200,7 @@ def ff(holes, size):
 
 
 def executed(learner_src, outputs, points=2):
-    cells = [code("from tinypaged.checks import check", "setup"), code(learner_src, "first_fit", "solution"),
+    cells = [code("from tinypaged.course.checks import check", "setup"), code(learner_src, "first_fit", "solution"),
              code('check("first_fit", first_fit)\n### BEGIN HIDDEN TESTS\ncheck("first_fit", first_fit, hidden=7)\n'
                   '### END HIDDEN TESTS', "test_ff", "test", points=points, outputs=outputs)]
     return nb(*cells)
@@ -230,7 +230,7 @@ def test_verifier_zeroes_reuse_and_everything_after_tampering():
     src = "from tinypaged.contiguous import first_fit"
     rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
     assert rep["score"] == 0 and "reference implementation tinypaged.contiguous.first_fit" in rep["tests"][0]["message"]
-    src = "import tinypaged.checks as c\nc.evaluate = None\ndef first_fit(h, s): ..."
+    src = "import tinypaged.course.checks as c\nc.evaluate = None\ndef first_fit(h, s): ..."
     rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
     assert rep["score"] == 0 and "touches the grader" in rep["tests"][0]["message"]
 

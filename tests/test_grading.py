@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tinypaged import coursework
-from tinypaged.grading import notebook as nbk
+from tinypaged.course import coursework
+from tinypaged.course.grading import notebook as nbk
 
 ROOT = coursework.ROOT
 FIXTURES = ROOT / "tests" / "fixtures" / "submissions"
@@ -44,7 +44,7 @@ def build(spec: dict, where: Path) -> Path:
 
 def grade(paths, *args):
     env = dict(os.environ, PYTHONHASHSEED="0")
-    proc = subprocess.run([sys.executable, "-m", "tinypaged.coursework", "grade", "--json", "--jobs", "2", *args,
+    proc = subprocess.run([sys.executable, "-m", "tinypaged.course.coursework", "grade", "--json", "--jobs", "2", *args,
                            *map(str, paths)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     return proc.returncode, json.loads(proc.stdout)
 
@@ -95,7 +95,7 @@ def test_solutions_full_marks_exercises_none(built, tmp_path):
 
 def test_renamed_file_is_graded_by_its_metadata_and_passes(built):
     spec, renamed = built["renamed_solution"]
-    proc = subprocess.run([sys.executable, "-m", "tinypaged.coursework", "grade", str(renamed)],
+    proc = subprocess.run([sys.executable, "-m", "tinypaged.course.coursework", "grade", str(renamed)],
                           capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr  # everything passes: exit status 0
     first, second = proc.stdout.splitlines()[:2]
@@ -113,6 +113,6 @@ def test_attacks_get_the_grades_their_fixtures_state(built):
 
 
 def test_a_file_that_is_not_a_notebook_is_an_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "tinypaged.coursework", "grade", str(tmp_path / "missing.ipynb")],
+    proc = subprocess.run([sys.executable, "-m", "tinypaged.course.coursework", "grade", str(tmp_path / "missing.ipynb")],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1 and "not a readable notebook" in proc.stdout

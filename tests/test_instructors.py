@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tinypaged import coursework
-from tinypaged.grading import notebook as nbk
+from tinypaged.course import coursework
+from tinypaged.course.grading import notebook as nbk
 
 ROOT = coursework.ROOT
 DOC = ROOT / "docs" / "INSTRUCTORS.md"
@@ -43,7 +43,7 @@ def test_release_collect_autograde_export(tmp_path):
     # collect: alice hands in the solution, bob the untouched notebook, mallory patches the checks
     patched = nbk.read(released)
     patched["cells"].insert(1, {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-                                "source": "import tinypaged.checks as c\nc.check = lambda *a, **k: print('PASS')\n"})
+                                "source": "import tinypaged.course.checks as c\nc.check = lambda *a, **k: print('PASS')\n"})
     for student, nb in (("alice", ROOT / "solutions" / f"{assignment}.ipynb"), ("bob", released), ("mallory", None)):
         dest = course / "submitted" / student / assignment / f"{assignment}.ipynb"
         dest.parent.mkdir(parents=True)

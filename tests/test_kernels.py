@@ -363,7 +363,7 @@ def _attention_stub_in_interpreter(*args):
     ("paged_attention", _attention_stub_in_interpreter, "not implemented yet"),
 ])
 def test_stage05_checks_reject_wrong_code(name, impl, status):
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     got, msg = checks.evaluate(name, impl)
     assert got == status, f"{name} with {impl.__name__}: {got} {msg}"

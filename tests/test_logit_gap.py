@@ -1,12 +1,12 @@
 """Every greedy generation a lesson prints keeps a clear top-two logit gap, so a GPU prints the same tokens.
 
-The rule and its thresholds are in ``tinypaged/lesson_prompts.py``. Here:
+The rule and its thresholds are in ``tinypaged/course/lesson_prompts.py``. Here:
 
 * each generation in ``lesson_prompts.GENERATIONS`` clears ``MIN_GAP[dtype]`` at every step, measured
   with Hugging Face transformers on the CPU (same weights as the engine);
 * the registry is complete: every notebook or solution cell that drives the engine is either listed
   there or listed as printing nothing that depends on which tokens come out;
-* the notebooks take those prompts from ``tinypaged.lesson_prompts`` (so the checked prompts are the run ones).
+* the notebooks take those prompts from ``tinypaged.course.lesson_prompts`` (so the checked prompts are the run ones).
 """
 
 import functools
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tinypaged import lesson_prompts as lp
+from tinypaged.course import lesson_prompts as lp
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
@@ -52,7 +52,7 @@ def test_top_two_gap(gen):
     need = lp.MIN_GAP[gen.dtype]
     bad = {i: round(g, 8) for i, g in enumerate(gaps) if g < need}
     assert not bad, (f"{gen.name} ({gen.model}, {gen.dtype}): prompts {sorted(bad)} come within {need} of a tie "
-                     f"(smallest gaps {bad}); pick others with `python -m tinypaged.lesson_prompts --search`")
+                     f"(smallest gaps {bad}); pick others with `python -m tinypaged.course.lesson_prompts --search`")
 
 
 def test_the_gap_is_measured_on_the_tokens_the_engine_generates():
@@ -90,7 +90,7 @@ def test_every_generating_cell_is_accounted_for(path):
     known += [pat for nb, pat, _ in lp.NOT_TOKEN_DEPENDENT if nb == notebook]
     unlisted = [i for i, src in code_cells(path)
                 if GENERATING.search(src) and not any(re.search(p, src) for p in known)]
-    assert not unlisted, (f"{notebook}: cells {unlisted} generate but are not in tinypaged.lesson_prompts "
+    assert not unlisted, (f"{notebook}: cells {unlisted} generate but are not in tinypaged.course.lesson_prompts "
                           f"(GENERATIONS, or NOT_TOKEN_DEPENDENT with the reason)")
 
 
@@ -99,6 +99,6 @@ def test_notebooks_take_their_prompts_from_lesson_prompts(gen):
     for notebook in sorted({nb for nb, _ in gen.cells}):
         source = "\n".join(src for _, src in code_cells(ROOT / notebook))
         missing = [n for n in gen.names if not re.search(rf"\b{n}\b", source)]
-        assert "tinypaged.lesson_prompts" in source and not missing, (
-            f"{notebook} must import {', '.join(gen.names)} from tinypaged.lesson_prompts for '{gen.name}' "
+        assert "tinypaged.course.lesson_prompts" in source and not missing, (
+            f"{notebook} must import {', '.join(gen.names)} from tinypaged.course.lesson_prompts for '{gen.name}' "
             f"(missing: {', '.join(missing) or 'the import'})")

@@ -331,7 +331,7 @@ def _broken_schedule_steps():
 
 @pytest.mark.parametrize("name", list(_broken_schedule_steps()))
 def test_schedule_step_check_fails_broken_policies(name):
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     status, msg = checks.evaluate("schedule_step", _broken_schedule_steps()[name])
     assert status == checks.FAIL, name
@@ -339,6 +339,6 @@ def test_schedule_step_check_fails_broken_policies(name):
 
 @pytest.mark.parametrize("broken", [lambda r: r[0], lambda r: r.pop(), lambda r: max(r, key=lambda x: x.num_new_tokens)])
 def test_pick_victim_check_fails_broken_choices(broken):
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     assert checks.evaluate("pick_victim", broken)[0] == checks.FAIL

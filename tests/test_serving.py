@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.serving import (SYSTEM_NAMES, RequestRecord, ServingRun, StepRecord, BatchShape, get_system, quiet,
+from tinypaged.lab.serving import (SYSTEM_NAMES, RequestRecord, ServingRun, StepRecord, BatchShape, get_system, quiet,
                                rate_ratios, replay, replay_vllm, scaled_max_model_len, serve_systems, serving_table,
                                serving_trace,
                                shared_weights, sustainable_rate, system_config, vllm_available, with_rate)
-from tinypaged.workloads import TraceRequest, summarize
+from tinypaged.lab.workloads import TraceRequest, summarize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parent.parent
@@ -242,7 +242,7 @@ def test_a_request_arriving_while_the_scheduler_runs_is_not_a_deadlock():
 
 
 def test_stage06_references_agree_with_the_engine():
-    from tinypaged.checks import stage06
+    from tinypaged.course.checks import stage06
 
     for kv_bytes, dtype, nbytes, bs in ((300_000, "float32", 4, 8), (1 << 19, "float16", 2, 32)):
         assert stage06.kv_blocks(kv_bytes, 2, 2, 16, nbytes, bs) == stage06.engine_blocks(kv_bytes, dtype, bs)

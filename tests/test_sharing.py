@@ -191,7 +191,7 @@ def test_beam_search_out_of_blocks_frees_everything():
 
 # -- the stage 3 checks fail on wrong code ------------------------------------------------------------
 def _broken_implementations():
-    from tinypaged.checks import stage03 as ref
+    from tinypaged.course.checks import stage03 as ref
 
     def fork_no_refcount(table, refcounts):
         return list(table)
@@ -259,14 +259,14 @@ def _broken_implementations():
 
 @pytest.mark.parametrize("name,impl", _broken_implementations(), ids=lambda x: getattr(x, "__name__", x))
 def test_stage03_checks_fail_on_broken_code(name, impl):
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     status, msg = checks.evaluate(name, impl)
     assert status == checks.FAIL and msg, f"{name} accepted {impl.__name__}"
 
 
 def test_stage03_checks_report_not_implemented():
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     def todo(*args):
         raise NotImplementedError("not implemented yet")

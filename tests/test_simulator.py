@@ -6,9 +6,9 @@ import math
 import pytest
 
 from tinypaged import LLM
-from tinypaged.serving import (PAPER_KV_TOKENS, BatchShape, StepRecord, quiet, replay, serving_trace, shared_weights,
+from tinypaged.lab.serving import (PAPER_KV_TOKENS, BatchShape, StepRecord, quiet, replay, serving_trace, shared_weights,
                                system_config, with_rate)
-from tinypaged.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, StepCostModel,
+from tinypaged.lab.simulator import (OPT13B_A100, LinearCostModel, ModelFreeEngine, RooflineCostModel, StepCostModel,
                                  check_against,
                                  knee_rates, paper_setup, simulate, sweep, validate)
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tinypaged import memory_sim, workloads
-from tinypaged.workloads import TraceRequest
+from tinypaged.lab import memory_sim, workloads
+from tinypaged.lab.workloads import TraceRequest
 
 
 # -- traces -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Placement is first-fit over the free holes, so external fragmentation is real: t
 have enough free tokens in total and still no hole large enough for the next request.
 
 The engine knows a request's final length only as ``prompt + max_tokens`` (it cannot see the
-future); the trace simulator in ``tinypaged.memory_sim`` knows the true lengths.
+future); the trace simulator in ``tinypaged.lab.memory_sim`` knows the true lengths.
 """
 
 from __future__ import annotations

@@ -4,18 +4,18 @@ Two kinds of finding, each with the cell, the line and what was found:
 
 * ``reuse``: the code names one of the package's reference implementations, by import
   (``from tinypaged.attention import slot_mapping``), through a module
-  (``attention.slot_mapping``, ``import tinypaged.checks.stage03 as ref; ref.fork``) or by aliasing
+  (``attention.slot_mapping``, ``import tinypaged.course.checks.stage03 as ref; ref.fork``) or by aliasing
   (``slot_mapping = tinypaged.attention.slot_mapping``). The checks whose forbidden list names it
   score 0.
 * ``tamper``: the code changes the package or the interpreter under the grader: assigning to or
   deleting a module's attributes (monkeypatching), ``setattr`` on a module, touching the grader
-  (``tinypaged.checks`` beyond ``check``, ``tinypaged.grading``, ``tinypaged.coursework``), ``sys.modules``,
+  (``tinypaged.course.checks`` beyond ``check``, ``tinypaged.course.grading``, ``tinypaged.course.coursework``), ``sys.modules``,
   trace hooks, ``gc`` object walks, ``builtins``, ``importlib``, ``exec``/``eval``, the grading
   switch. Every test cell after it scores 0.
 
 Names are resolved through every import and simple alias in the notebook, given cells included, so
 ``from tinypaged import contiguous`` in a given cell makes ``contiguous.first_fit`` in a solution
-cell a reuse. The runtime checks in ``tinypaged.checks`` (identity, shared code objects, a trace
+cell a reuse. The runtime checks in ``tinypaged.course.checks`` (identity, shared code objects, a trace
 hook) back this up for what a static reading cannot see.
 """
 
@@ -28,8 +28,8 @@ import re
 import sys
 from dataclasses import dataclass
 
-GRADER_MODULES = ("tinypaged.checks", "tinypaged.grading", "tinypaged.coursework")
-ALLOWED_GRADER_NAMES = ("tinypaged.checks.check",)
+GRADER_MODULES = ("tinypaged.course.checks", "tinypaged.course.grading", "tinypaged.course.coursework")
+ALLOWED_GRADER_NAMES = ("tinypaged.course.checks.check",)
 SENSITIVE = ("sys.modules", "sys.settrace", "sys.setprofile", "sys.gettrace", "sys._getframe", "sys.meta_path",
              "sys.path_hooks", "gc.get_objects", "gc.get_referrers", "gc.get_referents", "builtins", "importlib",
              "threading.settrace", "ctypes")
@@ -56,7 +56,7 @@ def _import_all_tinypaged() -> None:
     import tinypaged
 
     for info in pkgutil.walk_packages(tinypaged.__path__, "tinypaged."):
-        if info.name.startswith("tinypaged.grading"):
+        if info.name.startswith("tinypaged.course.grading"):
             continue
         try:
             importlib.import_module(info.name)
@@ -66,7 +66,7 @@ def _import_all_tinypaged() -> None:
 
 def forbidden_names() -> dict[str, set[str]]:
     """Dotted name -> the checks that forbid it: every name under which a forbidden object is reachable."""
-    from tinypaged import checks
+    from tinypaged.course import checks
 
     checks._load_all()
     _import_all_tinypaged()

@@ -10,9 +10,9 @@ The vLLM paper (Section 6.2, Figure 12) compares these at equal KV memory on the
 * ``orca-oracle``  continuous batching, regions of exactly the final length (Orca (Oracle)),
 * ``vllm``         continuous batching over paged KV (vLLM).
 
-``replay`` feeds a trace to a real engine at its arrival times (Poisson, from ``tinypaged.workloads``)
+``replay`` feeds a trace to a real engine at its arrival times (Poisson, from ``tinypaged.lab.workloads``)
 and records, per request, the arrival, first-token and finish times, and per step the batch it ran.
-``tinypaged.simulator`` produces the same ``ServingRun`` records without a model, on a virtual clock,
+``tinypaged.lab.simulator`` produces the same ``ServingRun`` records without a model, on a virtual clock,
 so everything below (summaries, tables, sustainable rates) works on both.
 
 Per-request metrics (the names vLLM's benchmarks use):
@@ -31,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from tinypaged.workloads import MAX_SEQ_LEN, TraceRequest, make_trace, prompt_token_ids
+from tinypaged.lab.workloads import MAX_SEQ_LEN, TraceRequest, make_trace, prompt_token_ids
 
 # The paper's KV budget for OPT-13B on one A100-40GB (Table 1): 12 GB of KV cache,
 # "15.7K" token slots at 800 KB per token (12 GiB / 800 KiB = 15,728).

@@ -15,7 +15,7 @@ every entry of :data:`GENERATIONS`; a lesson cell that generates takes its promp
   logits (standard deviation 0.16, median top-two gap 0.025, a gap of 0.05 at only 1 step in 4), so no
   prompt keeps 0.05 for more than a few steps.
 
-Prompts that failed were replaced by ones found with ``python -m tinypaged.lesson_prompts --search NAME``:
+Prompts that failed were replaced by ones found with ``python -m tinypaged.course.lesson_prompts --search NAME``:
 it tries seeds in order and keeps the first whose every step clears the gap.
 
 ``LESSON_DEVICE`` is the device the lessons run their engines on: the CPU, unless ``TINYPAGED_DEVICE``
@@ -94,14 +94,14 @@ TRITON_NEW_TOKENS = 8
 
 def trace_requests():
     """Lesson 4's trace (lengths only)."""
-    from tinypaged.workloads import sharegpt_like
+    from tinypaged.lab.workloads import sharegpt_like
 
     return sharegpt_like(TRACE["num_requests"], seed=TRACE["seed"], scale=TRACE["scale"])
 
 
 def make_trace_prompts(trace=None) -> list[dict]:
     """Lesson 4's prompts, ``{"prompt_token_ids": ...}`` per request of :func:`trace_requests`."""
-    from tinypaged.workloads import prompt_token_ids
+    from tinypaged.lab.workloads import prompt_token_ids
 
     trace = trace_requests() if trace is None else trace
     return [{"prompt_token_ids": prompt_token_ids(r, VOCAB, seed=s)} for r, s in zip(trace, TRACE_PROMPT_SEEDS)]
@@ -148,7 +148,7 @@ def _shared_prefix_prompts(tok):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_sharing.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sharing.py"
     spec = importlib.util.spec_from_file_location("bench_sharing", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -332,7 +332,7 @@ def _main(argv=None) -> int:
         print("TRITON_PROMPT_SEEDS =", tuple(seeds))
         return 0
     if args.search == "trace":
-        from tinypaged.workloads import prompt_token_ids
+        from tinypaged.lab.workloads import prompt_token_ids
 
         model = load_hf("smollm2-135m", "float32")
         seeds = [search_seeds(model, lambda s, r=r: prompt_token_ids(r, VOCAB, seed=s), r.output_len,

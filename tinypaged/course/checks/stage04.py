@@ -11,9 +11,9 @@ import random
 
 from tinypaged import scheduler
 from tinypaged.block_manager import blocks_needed
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import rng
-from tinypaged.checks.serving import serving_check
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import rng
+from tinypaged.course.checks.serving import serving_check
 from tinypaged.scheduler import BlockCounter, PlanRequest
 
 

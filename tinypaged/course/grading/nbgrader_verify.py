@@ -3,7 +3,7 @@
 nbgrader scores a test cell by its outputs (an error: 0; a number: partial credit; else full), and
 those outputs come from the learner's kernel, which the learner's code controls. ``VerifyChecks``
 runs right after ``Execute`` (see ``nbgrader_config.py``): it scores the executed notebook with
-:func:`tinypaged.grading.verify.verify` in nbgrader's process and rewrites every test cell's outputs
+:func:`tinypaged.course.grading.verify.verify` in nbgrader's process and rewrites every test cell's outputs
 so nbgrader's rule yields the verified score.
 """
 
@@ -17,7 +17,7 @@ from nbgrader.preprocessors import NbGraderPreprocessor
 
 class VerifyChecks(NbGraderPreprocessor):
     def preprocess(self, nb, resources):
-        from tinypaged.grading.verify import apply_to_notebook, verify
+        from tinypaged.course.grading.verify import apply_to_notebook, verify
 
         plain = json.loads(json.dumps(nb))
         report = verify(plain)

@@ -16,7 +16,7 @@ one stable line::
 
 Grading never trusts that line (the learner's kernel could patch this module). In grading mode
 (``TINYPAGED_GRADING=1``) ``check`` also displays a *record* of the observed steps; the grader, in
-its own process, recomputes the expected steps and compares (``tinypaged.grading.verify``).
+its own process, recomputes the expected steps and compares (``tinypaged.course.grading.verify``).
 
 Hidden tests: ``check(name, impl, hidden=SEED)`` runs the check's hidden cases, random inputs drawn
 from ``SEED``. The seeds live only in the instructor's notebooks (``### BEGIN HIDDEN TESTS``).
@@ -135,9 +135,9 @@ def _legacy_cases(fn):
 def _load_all() -> None:
     for mod in STAGE_MODULES:
         try:
-            importlib.import_module(f"tinypaged.checks.{mod}")
+            importlib.import_module(f"tinypaged.course.checks.{mod}")
         except ModuleNotFoundError as e:
-            if e.name != f"tinypaged.checks.{mod}":
+            if e.name != f"tinypaged.course.checks.{mod}":
                 raise
 
 

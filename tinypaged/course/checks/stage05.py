@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import rng
-from tinypaged.checks.serving import serving_check
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import rng
+from tinypaged.course.checks.serving import serving_check
 
 
 def _k():

@@ -1,6 +1,6 @@
 """Run one notebook in its own kernel, in a subprocess, with time limits; keep whatever it produced.
 
-    python -m tinypaged.grading.execute IN.ipynb OUT.ipynb --cell-timeout 120
+    python -m tinypaged.course.grading.execute IN.ipynb OUT.ipynb --cell-timeout 120
 
 The subprocess starts a fresh Jupyter kernel (``python3``) with ``TINYPAGED_GRADING=1`` so the checks
 emit records, runs the code cells in order and rewrites OUT after every cell. A cell that runs past

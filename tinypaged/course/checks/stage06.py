@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 
 from tinypaged.block_manager import blocks_needed
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import rng
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import rng
 
 
 def kv_blocks(kv_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
@@ -86,7 +86,7 @@ def cases_max_concurrency(hidden):
 def engine_blocks(kv_bytes: int, dtype: str, block_size: int) -> int:
     """What the engine builds for the tiny model (tests compare the reference with it)."""
     from tinypaged import LLM
-    from tinypaged.serving import shared_weights
+    from tinypaged.lab.serving import shared_weights
 
     with shared_weights():
         llm = LLM("tiny", device="cpu", dtype=dtype, block_size=block_size, kv_cache_memory_bytes=kv_bytes,
@@ -98,7 +98,7 @@ def engine_admits(num_blocks: int, block_size: int, max_model_len: int, requests
     """How many full-length requests the engine admits in its first step (tests compare the reference)."""
     from tinypaged import LLM
     from tinypaged.sampling_params import SamplingParams
-    from tinypaged.serving import shared_weights
+    from tinypaged.lab.serving import shared_weights
 
     log = logging.getLogger("tinypaged")
     old = log.level

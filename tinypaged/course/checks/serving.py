@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from tinypaged.checks import Case, register
+from tinypaged.course.checks import Case, register
 
 MODEL = "smollm2-135m"
 
@@ -81,7 +81,7 @@ def serving_check(stage: str, name: str, prompts: tuple[str, ...], max_tokens: i
         return [Case(label, run, "your pieces changed what the model computes: run the checks above first")]
 
     def stage_references():  # everything the stage's other checks forbid: the engine must run the learner's pieces
-        from tinypaged.checks import checks_for_stage
+        from tinypaged.course.checks import checks_for_stage
 
         return [o for c in checks_for_stage(stage) if c.expected is None for o in c.forbidden_objects()]
 

@@ -14,9 +14,9 @@ import random
 from collections import OrderedDict
 
 from tinypaged.block_manager import BlockManager, BlockPool, hash_block_tokens, hash_chain
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import raises, rng
-from tinypaged.checks.serving import serving_check
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import raises, rng
+from tinypaged.course.checks.serving import serving_check
 
 
 # ---------------------------------------------------------------- references

@@ -7,7 +7,7 @@ from tinypaged's reference implementation (or, for serving checks, from transfor
 nothing the kernel printed or returned decides a verdict. Then:
 
 * a check whose target a learner cell wrote with the package's reference implementation scores 0
-  (static finding from :mod:`~tinypaged.grading.scan`, or the record's own runtime finding);
+  (static finding from :mod:`~tinypaged.course.grading.scan`, or the record's own runtime finding);
 * every test cell after a learner cell that tampers with the package or the grader scores 0;
 * a test cell scores ``points x (weight of passing cases) / (weight of all cases)``.
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 import ast
 import json
 
-from tinypaged import checks
-from tinypaged.grading import notebook as nbk
-from tinypaged.grading.scan import scan_notebook
+from tinypaged.course import checks
+from tinypaged.course.grading import notebook as nbk
+from tinypaged.course.grading.scan import scan_notebook
 
 GRADE_ERROR = "TinypagedGradeError"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from tinypaged import memory_sim
+from tinypaged.lab import memory_sim
 
 
 def interface(fn) -> str:

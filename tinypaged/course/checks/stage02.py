@@ -15,9 +15,9 @@ import torch
 
 from tinypaged import attention
 from tinypaged.block_manager import BlockManager, BlockPool, blocks_needed
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import raises, rng
-from tinypaged.checks.serving import serving_check
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import raises, rng
+from tinypaged.course.checks.serving import serving_check
 
 
 class BlockAllocator:

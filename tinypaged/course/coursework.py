@@ -1,20 +1,20 @@
 """Course machinery: nbgrader assignments from the solution notebooks, and grading that cannot be gamed.
 
-    python -m tinypaged.coursework generate          # exercises/ from solutions/ (nbgrader generate_assignment)
-    python -m tinypaged.coursework check             # fail if exercises/ drifted from solutions/
-    python -m tinypaged.coursework lint              # check the solution notebooks' nbgrader metadata
-    python -m tinypaged.coursework release           # the nbgrader course: source/ and release/ under course/
-    python -m tinypaged.coursework grade NB... [--json] [--csv FILE]
+    python -m tinypaged.course generate          # exercises/ from solutions/ (nbgrader generate_assignment)
+    python -m tinypaged.course check             # fail if exercises/ drifted from solutions/
+    python -m tinypaged.course lint              # check the solution notebooks' nbgrader metadata
+    python -m tinypaged.course release           # the nbgrader course: source/ and release/ under course/
+    python -m tinypaged.course grade NB... [--json] [--csv FILE]
 
 ``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
-:mod:`tinypaged.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
+:mod:`tinypaged.course.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
 scratch course and copies the released notebook to ``exercises/``: solution regions become
 ``raise NotImplementedError("not implemented yet")``, hidden tests and outputs are removed, cells are locked.
 
 ``grade`` is the quick path without a gradebook: each notebook is rebuilt around the instructor's
 locked and test cells (its stage comes from ``metadata.tinypaged.stage``, not the file name), run
 in its own kernel in a subprocess with per-cell and per-notebook time limits, and scored by
-:mod:`tinypaged.grading.verify` in this process. Exit status 0 only if every notebook gets every
+:mod:`tinypaged.course.grading.verify` in this process. Exit status 0 only if every notebook gets every
 autograded point.
 """
 
@@ -29,10 +29,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tinypaged.grading import notebook as nbk
-from tinypaged.grading.notebook import strip_solutions  # noqa: F401  (re-exported for callers)
+from tinypaged.course.grading import notebook as nbk
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (tinypaged/course/ -> ..)
 CONFIG = ROOT / "nbgrader_config.py"
 
 
@@ -129,8 +128,8 @@ def drifted(root: Path = ROOT) -> list[str]:
 
 def lint_notebook(path: Path) -> list[str]:
     """What breaks the conventions in a solution notebook (empty: fine)."""
-    from tinypaged import checks
-    from tinypaged.grading.verify import expected_calls
+    from tinypaged.course import checks
+    from tinypaged.course.grading.verify import expected_calls
 
     nb = nbk.read(path)
     problems = []
@@ -189,9 +188,9 @@ def lint_notebook(path: Path) -> list[str]:
 
 def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeout: int = 120,
                    notebook_timeout: int = 900) -> dict:
-    """Run and score one submitted notebook; the report of :func:`tinypaged.grading.verify.verify`."""
-    from tinypaged.grading.execute import run_notebook
-    from tinypaged.grading.verify import verify
+    """Run and score one submitted notebook; the report of :func:`tinypaged.course.grading.verify.verify`."""
+    from tinypaged.course.grading.execute import run_notebook
+    from tinypaged.course.grading.verify import verify
 
     report: dict = {"notebook": str(path), "score": 0.0, "max_score": 0.0, "tests": [], "errors": [],
                     "findings": [], "manual": [], "manual_points": 0.0}
@@ -213,7 +212,7 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeou
 
 
 def format_report(r: dict) -> str:
-    from tinypaged.grading.verify import verdict_lines
+    from tinypaged.course.grading.verify import verdict_lines
 
     lines = [f"{r['notebook']}: {r['score']:g}/{r['max_score']:g}"]  # scripts/gpu_check.sh greps this line
     if r.get("stage"):
@@ -250,7 +249,7 @@ def _complete(r: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tinypaged.coursework", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tinypaged.course", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("generate", help="write exercises/ from solutions/ (nbgrader generate_assignment)")
     sub.add_parser("check", help="fail if an exercise differs from its generated form")
@@ -276,7 +275,7 @@ def main(argv=None) -> int:
     if args.cmd == "check":
         bad = drifted()
         if bad:
-            print("exercises out of date (run: python -m tinypaged.coursework generate): " + ", ".join(bad))
+            print("exercises out of date (run: python -m tinypaged.course generate): " + ", ".join(bad))
             return 1
         print("exercises match their solutions")
         return 0

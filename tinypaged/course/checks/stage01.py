@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 
 from tinypaged import contiguous
-from tinypaged.checks import Case, register
-from tinypaged.checks._util import raised, raises, rng
-from tinypaged.checks.serving import serving_check
+from tinypaged.course.checks import Case, register
+from tinypaged.course.checks._util import raised, raises, rng
+from tinypaged.course.checks.serving import serving_check
 
 
 # ---------------------------------------------------------------- reservation_tokens

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from tinypaged.block_manager import BlockPool, blocks_needed
 from tinypaged.contiguous import ContiguousArena, reservation_tokens
-from tinypaged.workloads import TraceRequest
+from tinypaged.lab.workloads import TraceRequest
 
 # Slot states in a memory map (``memory_map``): one small integer per token slot.
 FREE, TOKEN, RESERVED, INTERNAL, EXTERNAL = 0, 1, 2, 3, 4

@@ -28,9 +28,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from tinypaged.serving import (BatchShape, RequestRecord, ServingRun, StepRecord, get_system, quiet,
+from tinypaged.lab.serving import (BatchShape, RequestRecord, ServingRun, StepRecord, get_system, quiet,
                                scaled_max_model_len, system_config)
-from tinypaged.workloads import TraceRequest
+from tinypaged.lab.workloads import TraceRequest
 
 
 # -- the adapter: the only code that knows the engine's internals -------------------------------------
@@ -259,7 +259,7 @@ OPT13B_A100 = RooflineCostModel(
 def _prompt(r: TraceRequest, distinct: bool) -> list[int]:
     if not distinct:
         return [1] * r.prompt_len  # contents only matter to prefix caching
-    from tinypaged.workloads import prompt_token_ids
+    from tinypaged.lab.workloads import prompt_token_ids
 
     return prompt_token_ids(r, 32000)
 
@@ -315,7 +315,7 @@ class Sweep:
     runs: dict[tuple[str, float], ServingRun] = field(default_factory=dict)
 
     def sustainable(self, threshold: float) -> dict[str, float]:
-        from tinypaged.serving import sustainable_rate
+        from tinypaged.lab.serving import sustainable_rate
 
         return {s: sustainable_rate(self.rates[s], lat, threshold) for s, lat in self.latency.items()}
 
@@ -335,7 +335,7 @@ def sweep(trace: list[TraceRequest], cost_model, rates, systems, seed: int = 0, 
     the start of ``trace``, so every run is the same span of traffic: overload lasts as long at every
     rate, and a high rate costs little more to simulate than a low one.
     """
-    from tinypaged.serving import with_rate
+    from tinypaged.lab.serving import with_rate
 
     out = Sweep()
     for s in systems:
@@ -378,7 +378,7 @@ class Validation:
 def calibration_steps(llm, calibration_trace: list[TraceRequest], system: str = "vllm", seed: int = 0) -> list:
     """The measured steps of a closed-loop run (every request queued at once, so every batch size from
     full down to one) of ``calibration_trace`` on ``llm``, now."""
-    from tinypaged.serving import replay
+    from tinypaged.lab.serving import replay
 
     with quiet(logging.ERROR):
         return replay(llm, calibration_trace, system, None, seed).steps
@@ -415,7 +415,7 @@ def validate(llm, calibration_trace: list[TraceRequest], trace: list[TraceReques
     to the next; when the fitted model misjudges the measured run's own batches by more than
     ``max_step_error`` (the simulator's input, not the simulator, is then wrong), the rate is
     measured again, up to ``attempts`` times. Every attempt is returned (``attempt`` numbers them)."""
-    from tinypaged.serving import replay, with_rate
+    from tinypaged.lab.serving import replay, with_rate
 
     out = []
     with quiet(logging.ERROR):
@@ -444,7 +444,7 @@ def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fa
     at a light load. Used to pick real-time rates where the systems differ, on any machine's speed.
     Pass the real runs' ``duration`` (and ``min_requests``) so that the knees are those of the same span
     of traffic: a short burst of requests never builds the queue a long one does, so it overstates them."""
-    from tinypaged.serving import sustainable_rate
+    from tinypaged.lab.serving import sustainable_rate
 
     mean_out = sum(r.output_len for r in trace) / len(trace)
     n = common.get("max_num_seqs", 256)
@@ -464,7 +464,7 @@ def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fa
 def paper_setup(scale: float = 1.0, kv_tokens: int | None = None, **kw) -> dict:
     """Common knobs for a paper-like comparison at ``scale``: max_model_len 2048 x scale, the paper's
     KV budget (15.7K token slots) x scale, block 16, max_num_seqs 256 (vLLM's default)."""
-    from tinypaged.serving import PAPER_KV_TOKENS
+    from tinypaged.lab.serving import PAPER_KV_TOKENS
 
     return {"max_model_len": scaled_max_model_len(scale),
             "kv_cache_tokens": kv_tokens or int(PAPER_KV_TOKENS * scale), "block_size": 16,

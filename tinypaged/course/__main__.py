@@ -1,0 +1,5 @@
+import sys
+
+from tinypaged.course.coursework import main
+
+sys.exit(main())
