@@ -25,6 +25,7 @@ Python, so it can save at most the forward's idle gap (forward - gpu busy) per s
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import statistics
@@ -157,13 +158,21 @@ def forward_device_ms(llm: LLM, prompts, params, steps: int) -> dict:
         runner.model = model
         engine.abort_request(ids)
     events = prof.key_averages()
-    dev_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-    step_device = sum(dev_us(e) for e in events if e.device_type == DeviceType.CUDA)
-    fwd = [e for e in events if e.key == "tinypaged.forward"]
-    fwd_device = (getattr(fwd[0], "device_time_total", None) or getattr(fwd[0], "cuda_time_total", 0)) if fwd else 0
-    launches = sum(e.count for e in events if e.device_type == DeviceType.CUDA)
-    return {"forward_gpu_busy": fwd_device / steps / 1e3, "step_gpu_busy": step_device / steps / 1e3,
-            "kernels_per_step": launches / steps}
+    self_us = lambda e: getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    total_us = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)  # noqa: E731
+    # Kernels and copies; the range's own GPU-side span (a "user annotation", idle gaps included) is left out.
+    device = [e for e in events if e.device_type == DeviceType.CUDA and e.key != "tinypaged.forward"]
+    step_device = sum(self_us(e) for e in device)
+    # The forward's share: the device time of what ran inside the host-side range.
+    host_range = [e for e in events if e.key == "tinypaged.forward" and e.device_type == DeviceType.CPU]
+    fwd_device = total_us(host_range[0]) if host_range else 0
+    out = {"step_gpu_busy": step_device / steps / 1e3, "kernels_per_step": sum(e.count for e in device) / steps}
+    if fwd_device:
+        out["forward_gpu_busy"] = min(fwd_device, step_device) / steps / 1e3
+    else:  # no attribution to the range: the whole step's device time bounds the forward's
+        out["forward_gpu_busy"] = out["step_gpu_busy"]
+        out["forward_gpu_busy_is_step"] = True
+    return out
 
 
 def run_tinypaged(folder: Path, prompts, out_len: int, batch: int, args, device, backend: str) -> dict:
@@ -202,12 +211,13 @@ def run_generate_batch(hf, prompts, out_len: int, batch: int) -> dict:
 
     gen = GenerationConfig(max_new_tokens=out_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
     kwargs = {}
-    try:
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    if "continuous_batching_config" in inspect.signature(hf.generate_batch).parameters:
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(max_requests_per_batch=batch)
-    except (ImportError, TypeError):  # older transformers: its own batch sizing
-        pass
+            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(max_requests_per_batch=batch)
+        except (ImportError, TypeError):  # older transformers: its own batch sizing
+            pass
     hf.generate_batch(inputs=prompts[:2], generation_config=GenerationConfig(
         max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0), **kwargs)  # warm-up
     device = hf.device
@@ -274,6 +284,12 @@ def print_report(env: dict, rows: list[dict]) -> None:
               f"{tp[b]['tokens_per_s'] / hf[b]['tokens_per_s']:.2f}x tokens/s")
 
 
+def progress(row: dict) -> None:
+    """One line as each run ends, so that a run cut short by a time limit still leaves its figures."""
+    what = row.get("error") or f"{row['tokens']} tokens in {row['wall_s']:.2f} s = {row['tokens_per_s']:.1f} tokens/s"
+    print(f"[done] {row['system']} B={row['batch']}: {what}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", action="store_true", help="a tiny Llama, float32, CPU unless --device: the smoke run")
@@ -315,12 +331,14 @@ def main(argv=None) -> int:
                     rows.append(run_tinypaged(Path(tmp), prompts, out_len, batch, args, device, backend))
                 except Exception as e:  # one failing configuration must not hide the others
                     rows.append({"system": f"tinypaged ({backend})", "batch": batch, "error": f"{type(e).__name__}: {e}"})
+                progress(rows[-1])
             if not args.skip_hf:
                 try:
                     rows.append(run_generate_batch(hf, prompts, out_len, batch))
                 except Exception as e:
                     rows.append({"system": "transformers generate_batch", "batch": batch,
                                  "error": f"{type(e).__name__}: {e}"})
+                progress(rows[-1])
     for r in rows:
         if r.get("breakdown_ms"):
             r["cuda_graphs"] = graph_estimate(r["breakdown_ms"])

@@ -105,7 +105,7 @@ FIGURES=()
 
 # Each step's time limit (seconds), in the order they run.
 ORDER=(nbval grading gpu_throughput kernel_tests benchmark)
-declare -A MAX=([nbval]=200 [grading]=90 [gpu_throughput]=120 [kernel_tests]=100 [benchmark]=60)
+declare -A MAX=([nbval]=200 [grading]=80 [gpu_throughput]=100 [kernel_tests]=90 [benchmark]=45)
 
 # run_step NAME CMD...: run CMD with a limit of MAX[NAME], cut down so that the selected steps after it
 # keep half of theirs. Steps not in GPU_CHECK_STEPS are left out.
@@ -179,14 +179,15 @@ else
     run_step nbval bash -c 'nbval_run "$@"' _ "${NOTEBOOKS[@]}" "${EXERCISES[@]}"
     # Cells passed / total per notebook, from the junit files (the last run of each notebook counts).
     mapfile -t NB_LINES < <("$PY" - "$LOG_DIR" "$NB_TOTAL" <<'EOF'
-import glob, sys, xml.etree.ElementTree as ET
+import glob, re, sys, xml.etree.ElementTree as ET
 log_dir, total = sys.argv[1], int(sys.argv[2])
+path = lambda name: re.sub(r"^(notebooks|solutions|exercises)\.", r"\1/", name)  # junit writes folder.file
 per = {}
 for f in sorted(glob.glob(f"{log_dir}/nbval_*.xml")):
     cells = failed = 0
     nb = None
     for case in ET.parse(f).iter("testcase"):
-        nb = nb or (case.get("file") or case.get("classname", "")).split("::")[0]
+        nb = nb or path((case.get("file") or case.get("classname", "")).split("::")[0])
         cells += 1
         failed += case.find("failure") is not None or case.find("error") is not None
     if nb:
