@@ -105,7 +105,7 @@ FIGURES=()
 
 # Each step's time limit (seconds), in the order they run.
 ORDER=(nbval grading gpu_throughput kernel_tests benchmark)
-declare -A MAX=([nbval]=200 [grading]=80 [gpu_throughput]=100 [kernel_tests]=90 [benchmark]=45)
+declare -A MAX=([nbval]=240 [grading]=80 [gpu_throughput]=100 [kernel_tests]=90 [benchmark]=45)
 
 # run_step NAME CMD...: run CMD with a limit of MAX[NAME], cut down so that the selected steps after it
 # keep half of theirs. Steps not in GPU_CHECK_STEPS are left out.
