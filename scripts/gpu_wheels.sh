@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Download, here, the wheels a GPU box without package registries needs to run nbval (scripts/gpu_check.sh):
-# nbval, nbformat, ipykernel, ipywidgets and what they need, for CPython 3.12 on manylinux x86_64, into
-# .whl/ (git-ignored), with .whl/requirements.txt naming them. gpu_check.sh installs them there, offline.
+# nbval, nbformat, ipykernel, ipywidgets and what they need, and gguf (scripts/gpu_carry.sh converts the
+# carried SmolLM2 GGUF there with it), for CPython 3.12 on manylinux x86_64, into .whl/ (git-ignored), with
+# .whl/requirements.txt naming them. gpu_check.sh installs them there, offline.
 #
 # Versions are the ones in this checkout's .venv (the tested stack), so run scripts/setup_env.sh first.
 # Packages the GPU image already has (torch's image: pytest, packaging, pygments, psutil, ...) are left out:
@@ -9,8 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ROOTS=(nbval nbformat ipykernel ipywidgets)
-GPU_HAS="attrs coverage iniconfig packaging pluggy psutil pygments pytest python-dateutil six typing-extensions pyyaml jinja2 markupsafe ${GPU_HAS_EXTRA:-}"
+ROOTS=(nbval nbformat ipykernel ipywidgets gguf)
+GPU_HAS="attrs coverage iniconfig packaging pluggy psutil pygments pytest python-dateutil six typing-extensions pyyaml jinja2 markupsafe numpy tqdm ${GPU_HAS_EXTRA:-}"
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 
 [ -x .venv/bin/python ] || { echo "gpu_wheels: no .venv here: run bash scripts/setup_env.sh first" >&2; exit 1; }
