@@ -270,3 +270,12 @@ def test_cli_runs_the_real_module_without_a_traceback():
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert err == ["python -m tinypaged generate: error: enable_prefix_caching shares blocks, so it needs "
                    "kv_cache='paged'"], run.stderr
+
+
+def test_numpy_numbers_are_stored_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    c = config(max_num_seqs=np.int64(8), block_size=np.int32(4), gpu_memory_utilization=np.float32(0.5))
+    assert (c.max_num_seqs, c.block_size) == (8, 4) and type(c.max_num_seqs) is int and type(c.block_size) is int
+    assert type(c.gpu_memory_utilization) is float
+    with pytest.raises(TypeError, match="max_num_seqs must be an integer"):
+        config(max_num_seqs=np.float64(8.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import os
 import re
 import warnings
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tinypaged.sampling_params import SEED_MAX, SEED_MIN, is_int, is_number
+from tinypaged.sampling_params import SEED_MAX, SEED_MIN
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV space is a fixed size
@@ -29,6 +30,7 @@ CHOICES = {
 }
 # The numeric knobs: knob -> (int or float, the allowed values as a test, the same in words).
 # An int knob refuses floats and bools (TypeError); a float knob takes an int too, never a bool, nan or inf.
+# numpy numbers are accepted and stored as Python ones.
 NUMBERS = {
     "seed": (int, lambda v: SEED_MIN <= v <= SEED_MAX, "an integer in [-2**63, 2**64 - 1] (torch's seed range)"),
     "max_model_len": (int, lambda v: v >= 1, "an integer >= 1 (or None: the model's own, capped on a CPU)"),
@@ -38,7 +40,7 @@ NUMBERS = {
     "num_gpu_blocks_override": (int, lambda v: v >= 1, "an integer >= 1 (or None)"),
     "kv_cache_tokens": (int, lambda v: v >= 1, "an integer >= 1 (or None)"),
     "max_num_seqs": (int, lambda v: v >= 1, "an integer >= 1"),
-    "max_num_batched_tokens": (int, lambda v: v >= 1, "an integer >= 1 (or None: set from max_model_len)"),
+    "max_num_batched_tokens": (int, lambda v: v >= 1, "an integer >= 1 (or None: the engine picks it)"),
     "swap_space": (float, lambda v: v >= 0.0, "a number of GiB >= 0"),
     "history_size": (int, lambda v: v >= 0, "an integer >= 0 (0 keeps no history)"),
 }
@@ -149,10 +151,15 @@ class EngineConfig:
             value = getattr(self, knob)
             if value is None and knob in OPTIONAL:
                 continue
-            if not (is_int(value) if kind is int else is_number(value)):
+            if not isinstance(value, numbers.Integral if kind is int else numbers.Real) or isinstance(value, bool):
                 raise TypeError(f"{knob} must be {words}, got {value!r}")
-            if not ((kind is int or math.isfinite(value)) and allowed(value)):
+            try:
+                number = kind(value)  # numpy numbers too (a sweep's values), kept as plain Python numbers
+            except OverflowError:
+                number = math.inf
+            if (kind is float and not math.isfinite(number)) or not allowed(number):
                 raise ValueError(f"{knob} must be {words}, got {value!r}")
+            setattr(self, knob, number)
         for knob in BOOLS:
             value = getattr(self, knob)
             if not isinstance(value, bool) and not (value is None and knob in OPTIONAL):
