@@ -139,7 +139,7 @@ def part1(args):
     common = dict(max_num_seqs=B, kv_cache_tokens=8192, block_size=16, max_model_len=512)
     # warm up (first calls pay one-off allocation costs)
     run_tinypaged("smollm2-135m", prompts[:2], [2, 2], **common)
-    static = run_tinypaged("smollm2-135m", prompts, outs, scheduler="static", **common)
+    static = run_tinypaged("smollm2-135m", prompts, outs, scheduling_policy="static", **common)
     recorded = []
     cont = run_tinypaged("smollm2-135m", prompts, outs, record=recorded, max_num_batched_tokens=512, **common)
     raw = replay_raw(cont["llm"].llm_engine.model, recorded)

@@ -215,7 +215,7 @@ def test_abort_request_frees_a_queued_request():
 @pytest.mark.parametrize("kw, words", [
     (dict(stop=5), "stop must be a string or a list"),
     (dict(max_tokens="3"), "max_tokens must be an integer"),
-    (dict(temperature="hot"), "temperature must be a number"),
+    (dict(temperature="hot"), "temperature must be a finite number"),
     (dict(stop_token_ids=[1.5]), "stop_token_ids must hold integers"),
     (dict(seed=1.5), "seed must be an integer"),
     (dict(min_tokens="2"), "min_tokens must be an integer"),

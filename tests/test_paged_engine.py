@@ -107,7 +107,7 @@ def test_four_block_cache_serves_many_requests_a_few_at_a_time(scheduler):
     prompts = token_prompts([3, 6, 4, 5, 2, 6, 3, 4, 5, 6, 2, 3], seed=1)
     params = greedy(6)
     reference = token_ids(tiny(kv_cache="paged", block_size=8, kv_cache_tokens=1024).generate(prompts, params))
-    llm = tiny(kv_cache="paged", block_size=8, num_gpu_blocks_override=4, scheduler=scheduler)
+    llm = tiny(kv_cache="paged", block_size=8, num_gpu_blocks_override=4, scheduling_policy=scheduler)
     engine = llm.llm_engine
     seen = []
 

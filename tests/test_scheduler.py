@@ -29,12 +29,12 @@ def token_ids(outs):
 @functools.lru_cache(maxsize=None)
 def reference():
     """Static batching, one request at a time, plenty of memory: the plainest possible schedule."""
-    return token_ids(tiny(scheduler="static", max_num_seqs=1, num_gpu_blocks_override=256).generate(PROMPTS, PARAMS))
+    return token_ids(tiny(scheduling_policy="static", max_num_seqs=1, num_gpu_blocks_override=256).generate(PROMPTS, PARAMS))
 
 
 CONFIGS = {
-    "static-4": dict(scheduler="static", max_num_seqs=4),
-    "static-8-contiguous": dict(scheduler="static", max_num_seqs=8, kv_cache="contiguous", kv_cache_tokens=1024),
+    "static-4": dict(scheduling_policy="static", max_num_seqs=4),
+    "static-8-contiguous": dict(scheduling_policy="static", max_num_seqs=8, kv_cache="contiguous", kv_cache_tokens=1024),
     "seqs-1": dict(max_num_seqs=1),
     "seqs-2": dict(max_num_seqs=2),
     "seqs-8": dict(max_num_seqs=8),
@@ -69,7 +69,7 @@ def test_smollm2_static_equals_continuous_with_chunks_and_preemption():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village,"]
     sp = SamplingParams(temperature=0, max_tokens=6)
     base = dict(device="cpu", block_size=4, max_model_len=64)
-    static = LLM("smollm2-135m", scheduler="static", num_gpu_blocks_override=64, **base).generate(prompts, sp)
+    static = LLM("smollm2-135m", scheduling_policy="static", num_gpu_blocks_override=64, **base).generate(prompts, sp)
     cont = LLM("smollm2-135m", max_num_seqs=3, max_num_batched_tokens=8, num_gpu_blocks_override=7, **base)
     outs = cont.generate(prompts, sp)
     assert token_ids(outs) == token_ids(static)
@@ -247,7 +247,7 @@ def test_impossible_configs_name_the_knob(kw, knob):
 
 @pytest.mark.parametrize("kw", [
     dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
-    dict(scheduler="static", max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
+    dict(scheduling_policy="static", max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
 ])
 def test_budget_below_max_model_len_needs_chunked_prefill(kw):
     with pytest.raises(ValueError, match="max_num_batched_tokens.*max_model_len.*enable_chunked_prefill"):
@@ -257,7 +257,7 @@ def test_budget_below_max_model_len_needs_chunked_prefill(kw):
 def test_static_batching_leaves_idle_slots_continuous_does_not_wait():
     sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in [2, 20, 2, 20]]
     prompts = PROMPTS[:4]
-    static = tiny(scheduler="static", max_num_seqs=2, num_gpu_blocks_override=256)
+    static = tiny(scheduling_policy="static", max_num_seqs=2, num_gpu_blocks_override=256)
     static.generate(prompts, sp)
     cont = tiny(max_num_seqs=2, num_gpu_blocks_override=256)
     cont.generate(prompts, sp)

@@ -3,29 +3,77 @@
     python -m tinypaged generate "Once upon a time" --max-tokens 32
     python -m tinypaged chat "What is a KV cache?"
     python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts)
+
+A bad argument or knob prints one ``python -m tinypaged generate: error: ...`` line and exits with 2
+(argparse's status for its own errors); no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+PROG = "python -m tinypaged"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (its message names the argument) instead of the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0 means greedy), got {text}")
+    return value
+
+
+def prompt(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a prompt must hold some text, got an empty one")
+    return text
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tinypaged")
+    ap = Parser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
     for name in ("generate", "chat"):
         g = sub.add_parser(name)
-        g.add_argument("prompts", nargs="+")
-        g.add_argument("--model", default="smollm2-135m")
-        g.add_argument("--max-tokens", type=int, default=32)
-        g.add_argument("--temperature", type=float, default=0.0)
+        g.add_argument("prompts", nargs="+", type=prompt)
+        g.add_argument("--model", default="smollm2-135m", help="'smollm2-135m', 'tiny' or a local folder")
+        g.add_argument("--max-tokens", type=positive_int, default=32)
+        g.add_argument("--temperature", type=temperature, default=0.0)
         g.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"])
         g.add_argument("--enable-prefix-caching", action="store_true")
         g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
         g.add_argument("--trace", action="store_true", help="print one line per engine step")
     args = ap.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
+        # the engine's own checks (knobs, model, prompts, sampling params): their messages say what to change
+        print(f"{PROG} {args.cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
     if args.cmd == "prepare":
         from tinypaged.model_loader import smollm2_folder
 
@@ -33,9 +81,9 @@ def main(argv=None) -> int:
         return 0
     from tinypaged import LLM, SamplingParams
 
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     llm = LLM(args.model, kv_cache=args.kv_cache, enable_prefix_caching=args.enable_prefix_caching,
               attention_backend=args.attention_backend)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     on_step = (lambda s: print(s.trace(), file=sys.stderr)) if args.trace else None
     if args.cmd == "chat":
         outs = [llm.chat([{"role": "user", "content": p}], params)[0] for p in args.prompts]

@@ -2,18 +2,62 @@
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
+import os
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tinypaged.sampling_params import SEED_MAX, SEED_MIN
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV space is a fixed size
 CPU_DEFAULT_MAX_MODEL_LEN = 2048  # a CPU-friendly cap on the model's own context (8192 for SmolLM2)
+SCHEDULING_POLICIES = ("continuous", "static")  # the built-in policies, by name
+
+# The knobs that take one of a few strings.
+CHOICES = {
+    "dtype": tuple(DTYPES),
+    "kv_cache": ("contiguous", "paged"),
+    "reservation_policy": ("max", "pow2", "oracle"),
+    "parallel_sampling": ("fork", "fanout"),
+    "preemption_mode": ("recompute", "swap"),
+}
+# The numeric knobs: knob -> (int or float, the allowed values as a test, the same in words).
+# An int knob refuses floats and bools (TypeError); a float knob takes an int too, never a bool, nan or inf.
+# numpy numbers are accepted and stored as Python ones.
+NUMBERS = {
+    "seed": (int, lambda v: SEED_MIN <= v <= SEED_MAX, "an integer in [-2**63, 2**64 - 1] (torch's seed range)"),
+    "max_model_len": (int, lambda v: v >= 1, "an integer >= 1 (or None: the model's own, capped on a CPU)"),
+    "block_size": (int, lambda v: v >= 1, "an integer >= 1 (tokens per block)"),
+    "gpu_memory_utilization": (float, lambda v: 0.0 < v <= 1.0, "a number in (0, 1]"),
+    "kv_cache_memory_bytes": (int, lambda v: v >= 1, "an integer >= 1 (or None)"),
+    "num_gpu_blocks_override": (int, lambda v: v >= 1, "an integer >= 1 (or None)"),
+    "kv_cache_tokens": (int, lambda v: v >= 1, "an integer >= 1 (or None)"),
+    "max_num_seqs": (int, lambda v: v >= 1, "an integer >= 1"),
+    "max_num_batched_tokens": (int, lambda v: v >= 1, "an integer >= 1 (or None: the engine picks it)"),
+    "swap_space": (float, lambda v: v >= 0.0, "a number of GiB >= 0"),
+    "history_size": (int, lambda v: v >= 0, "an integer >= 0 (0 keeps no history)"),
+}
+OPTIONAL = {"max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_tokens",
+            "max_num_batched_tokens", "enable_chunked_prefill", "check_invariants"}
+BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants")
 
 
 @dataclass
 class EngineConfig:
+    """The engine's knobs (vLLM's names). ``__post_init__`` checks every one and fills two defaults:
+
+    * ``scheduling_policy`` None means ``"continuous"``; ``scheduler`` (deprecated) folds into it.
+    * ``enable_chunked_prefill`` None means on where the policy can split prompts (every policy but
+      ``"static"``), as vLLM v1 has it on by default; True together with ``"static"`` is an error.
+    """
+
     model: str = "smollm2-135m"
     dtype: str = "float32"
     device: str = "auto"
@@ -30,20 +74,21 @@ class EngineConfig:
     # stage 3
     enable_prefix_caching: bool = False
     parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
-    # stage 4
-    scheduler: str = "continuous"  # or "static"
+    # stage 4: scheduling_policy is "continuous" (vLLM v1), "static" (course baseline), a schedule_step-like
+    # function, or a policy object (or class) with schedule(scheduler); None: "continuous"
+    scheduling_policy: Any = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool | None = None  # None: on, unless scheduling_policy="static"
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
     attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
     kv_cache_manager: Any = None  # a factory(spec: KVCacheSpec) -> KVCacheManager; None: kv_cache's own
-    scheduling_policy: Any = None  # a schedule_step-like function or a SchedulingPolicy; None: `scheduler`
     check_invariants: bool | None = None  # the costlier per-step checks; None: on when a plug-in is given
     history_size: int = 4096  # steps kept in LLMEngine.history (a bounded deque); 0 keeps none
+    scheduler: str | None = None  # deprecated alias of scheduling_policy (this release only); folded into it
 
     def __post_init__(self) -> None:
         self.verify()
@@ -59,31 +104,16 @@ class EngineConfig:
         return torch.device(self.device)
 
     def verify(self) -> None:
+        """Check every knob (types first, then ranges, then knobs that must agree); fill the policy defaults."""
+        self._verify_types()
+        self._fold_deprecated_scheduler()
+        self._verify_policy()
+
         def bad(msg):
             raise ValueError(msg)
 
-        if self.dtype not in DTYPES:
-            bad(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}")
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
-            bad(f"device={self.device!r}: use 'auto', 'cpu' or 'cuda'")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             bad(f"device={self.device!r} but CUDA is not available; use device='cpu'")
-        if self.kv_cache not in ("contiguous", "paged"):
-            bad(f"kv_cache={self.kv_cache!r}: use 'contiguous' (stage 1) or 'paged' (stage 2)")
-        if self.reservation_policy not in ("max", "pow2", "oracle"):
-            bad(f"reservation_policy={self.reservation_policy!r}: use 'max', 'pow2' or 'oracle'")
-        if self.block_size < 1:
-            bad(f"block_size must be >= 1, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            bad(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.max_num_seqs < 1:
-            bad(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            bad(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.scheduler not in ("continuous", "static"):
-            bad(f"scheduler={self.scheduler!r}: use 'continuous' or 'static'")
-        if self.preemption_mode not in ("recompute", "swap"):
-            bad(f"preemption_mode={self.preemption_mode!r}: use 'recompute' or 'swap'")
         if self.preemption_mode == "swap" and self.kv_cache != "paged":
             bad("preemption_mode='swap' moves blocks, so it needs kv_cache='paged'")
         if isinstance(self.attention_backend, str) and self.attention_backend not in ("torch", "triton"):
@@ -91,13 +121,6 @@ class EngineConfig:
                 f"or an AttentionBackend object")
         if self.attention_backend == "triton" and self.kv_cache != "paged":
             bad("attention_backend='triton' reads block tables, so it needs kv_cache='paged'")
-        if self.parallel_sampling not in ("fork", "fanout"):
-            bad(f"parallel_sampling={self.parallel_sampling!r}: use 'fork' (paper / vLLM v0) or 'fanout' (vLLM v1)")
-        if isinstance(self.scheduling_policy, str):
-            bad(f"scheduling_policy={self.scheduling_policy!r}: pass a function or policy object; choose the "
-                f"built-in ones with scheduler='continuous' or 'static'")
-        if self.history_size < 0:
-            bad(f"history_size must be >= 0, got {self.history_size}")
         if self.enable_prefix_caching and self.kv_cache != "paged":
             bad("enable_prefix_caching shares blocks, so it needs kv_cache='paged'")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -107,9 +130,87 @@ class EngineConfig:
                 f"Raise max_num_batched_tokens or lower max_num_seqs."
             )
 
+    def _verify_types(self) -> None:
+        """Each knob on its own: a TypeError for the wrong kind of value, a ValueError for one out of range."""
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError(f"model must be a model name ('smollm2-135m', 'tiny') or the path of a local folder, "
+                            f"got {self.model!r}")
+        if isinstance(self.device, torch.device):
+            self.device = str(self.device)
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            error = ValueError if isinstance(self.device, str) else TypeError
+            raise error(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        for knob, choices in CHOICES.items():
+            value = getattr(self, knob)
+            if not isinstance(value, str) or value not in choices:
+                error = ValueError if isinstance(value, str) else TypeError
+                raise error(f"{knob}={value!r}: use one of {', '.join(map(repr, choices))}")
+        for knob, (kind, allowed, words) in NUMBERS.items():
+            value = getattr(self, knob)
+            if value is None and knob in OPTIONAL:
+                continue
+            if not isinstance(value, numbers.Integral if kind is int else numbers.Real) or isinstance(value, bool):
+                raise TypeError(f"{knob} must be {words}, got {value!r}")
+            try:
+                number = kind(value)  # numpy numbers too (a sweep's values), kept as plain Python numbers
+            except OverflowError:
+                number = math.inf
+            if (kind is float and not math.isfinite(number)) or not allowed(number):
+                raise ValueError(f"{knob} must be {words}, got {value!r}")
+            setattr(self, knob, number)
+        for knob in BOOLS:
+            value = getattr(self, knob)
+            if not isinstance(value, bool) and not (value is None and knob in OPTIONAL):
+                raise TypeError(f"{knob} must be True or False{' (or None: the default)' if knob in OPTIONAL else ''}"
+                                f", got {value!r}")
+        factory = self.kv_cache_manager
+        if factory is not None and not (callable(factory) and _accepts_arguments(factory, 1)):
+            raise TypeError(f"kv_cache_manager must be a factory called with one KVCacheSpec (a function or a "
+                            f"class whose __init__ takes the spec, e.g. BlockManager.from_spec) or None, "
+                            f"got {factory!r}")
+
+    def _fold_deprecated_scheduler(self) -> None:
+        """``scheduler=`` (deprecated) becomes ``scheduling_policy``; both given and different is an error."""
+        if self.scheduler is None:
+            return
+        if self.scheduler not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduler={self.scheduler!r}: use 'continuous' or 'static' (better: pass it as "
+                             f"scheduling_policy=, the one policy knob)")
+        warnings.warn(f"scheduler= is deprecated and will be removed after this release; use "
+                      f"scheduling_policy={self.scheduler!r}", FutureWarning, stacklevel=5)
+        if self.scheduling_policy is not None and self.scheduling_policy != self.scheduler:
+            raise ValueError(f"scheduler={self.scheduler!r} and scheduling_policy={self.scheduling_policy!r} "
+                             f"disagree; pass only scheduling_policy (scheduler is its deprecated alias)")
+        self.scheduling_policy, self.scheduler = self.scheduler, None
+
+    def _verify_policy(self) -> None:
+        """The one policy knob, and chunked prefill where that policy can split prompts."""
+        p = self.scheduling_policy
+        if p is None:
+            p = self.scheduling_policy = "continuous"
+        if isinstance(p, str):
+            if p not in SCHEDULING_POLICIES:
+                raise ValueError(f"scheduling_policy={p!r}: use 'continuous', 'static', a schedule_step-like "
+                                 f"function or a policy object with schedule(scheduler)")
+        elif isinstance(p, type) and not callable(getattr(p, "schedule", None)):
+            raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method")
+        elif not callable(getattr(p, "schedule", None)) and not (callable(p) and _accepts_arguments(p, 5)):
+            raise TypeError(f"scheduling_policy must be 'continuous', 'static', a schedule_step-like function "
+                            f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler); "
+                            f"got {p!r}")
+        static = isinstance(p, str) and p == "static"
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = not static
+        elif self.enable_chunked_prefill and static:
+            raise ValueError("enable_chunked_prefill=True contradicts scheduling_policy='static': a static batch "
+                             "prefills each prompt whole. Drop enable_chunked_prefill (it defaults to off for "
+                             "'static') or use scheduling_policy='continuous'.")
+
     @property
     def has_plugins(self) -> bool:
-        return (self.kv_cache_manager is not None or self.scheduling_policy is not None
+        return (self.kv_cache_manager is not None or not isinstance(self.scheduling_policy, str)
                 or not isinstance(self.attention_backend, str))
 
     def finalize(self, model_max_len: int) -> None:
@@ -122,13 +223,26 @@ class EngineConfig:
                 f"({model_max_len} positions); lower max_model_len."
             )
         if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = max(self.max_model_len, 2048, self.max_num_seqs) \
-                if not self.enable_chunked_prefill or self.scheduler == "static" else max(2048, self.max_num_seqs)
-        if (not self.enable_chunked_prefill or self.scheduler == "static") \
-                and self.max_num_batched_tokens < self.max_model_len:
+            self.max_num_batched_tokens = max(2048, self.max_num_seqs) if self.enable_chunked_prefill \
+                else max(self.max_model_len, 2048, self.max_num_seqs)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) and prompts cannot be split without chunked prefill: raise "
                 f"max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=True "
-                f"(with scheduler='continuous')."
+                f"(with scheduling_policy='continuous')."
             )
+
+
+def _accepts_arguments(fn, n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (``object`` takes none); True where
+    Python cannot tell (some built-ins have no signature)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*[None] * n)
+    except TypeError:
+        return False
+    return True

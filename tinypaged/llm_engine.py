@@ -298,7 +298,7 @@ class LLMEngine:
     # -- accounting: O(batch) per step, never O(cache) ------------------------------------------
     def _record(self, out, result) -> None:
         sched = self.scheduler
-        if self.config.scheduler == "static" and self.config.scheduling_policy is None:
+        if self.config.scheduling_policy == "static":
             self.counters["num_busy_slot_steps"] += len(out.scheduled)
             self.counters["num_idle_slot_steps"] += out.num_idle_slots
         if self.history.maxlen == 0:

@@ -104,18 +104,27 @@ def tiny_hf_model(seed: int = 0):
 
 
 def resolve_model_folder(model: str) -> Path | None:
-    """The Hugging Face folder behind a model name (None for ``tiny``, which lives in memory)."""
+    """The Hugging Face folder behind a model name (None for ``tiny``, which lives in memory).
+
+    A name that is neither built in nor an existing folder is an error that says which of the two it
+    looked like: an unknown name lists the known ones; a path says there is no such folder."""
     if model == TINY:
         return None
     if model == SMOLLM2:
         return smollm2_folder()
     path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model={model!r}: the folder {path} has no config.json; a model folder holds "
+                             f"config.json and *.safetensors weights")
         return path
-    raise ValueError(
-        f"Unknown model {model!r}: use {SMOLLM2!r}, {TINY!r}, or a local folder holding config.json "
-        f"and safetensors weights (no hub downloads)."
-    )
+    if path.exists():
+        raise ValueError(f"model={model!r} is a file; pass the folder that holds config.json and *.safetensors")
+    if os.sep in model or "/" in model or model.startswith((".", "~")):
+        raise ValueError(f"model={model!r}: no such folder ({path.absolute()}); tinypaged loads local folders "
+                         f"only (no hub downloads), or the built-in names {SMOLLM2!r} and {TINY!r}")
+    raise ValueError(f"Unknown model {model!r}: the built-in names are {SMOLLM2!r} and {TINY!r}; or pass a local "
+                     f"folder holding config.json and safetensors weights (no hub downloads).")
 
 
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:

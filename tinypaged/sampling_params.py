@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# vLLM's threshold (vllm/sampling_params.py and vllm/v1/sample/sampler.py): a temperature below it is greedy.
+# Dividing logits by a smaller one overflows float32 (1e-300 becomes 0.0), so sampling could only fail.
+SAMPLING_EPS = 1e-5
+# torch.Generator.manual_seed takes seeds in this range (a seed outside it raises an overflow error).
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
+
+def is_int(x) -> bool:
+    """An integer, and not a bool (True is an int in Python, but never a count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x) -> bool:
+    """An int or a float, and not a bool."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature 0 means greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1.0 switch those filters off.
+    temperature 0 means greedy; so does any temperature below ``SAMPLING_EPS`` (1e-5), as in vLLM.
+    ``top_k`` of -1 (or 0) and ``top_p`` of 1.0 switch those filters off.
     ``stop`` strings end generation and are cut from the text; ``stop_token_ids`` and the model's
     end-of-sequence token end it too (unless ``ignore_eos``). ``n`` samples share the prompt's KV
     blocks (``parallel_sampling="fork"``, the paper's copy-on-write) or run as n requests that share
-    the prompt through the prefix cache (``"fanout"``, vLLM v1). ``seed`` makes one request reproducible whatever else is in the batch.
+    the prompt through the prefix cache (``"fanout"``, vLLM v1). ``seed`` makes one request reproducible
+    whatever else is in the batch; sample ``i`` of ``n`` uses seed ``seed + i``, so all of them must be in
+    torch's seed range. Every field is checked here, so a bad request is refused before any work.
     """
 
     n: int = 1
@@ -43,22 +63,21 @@ class SamplingParams:
         self._verify(problems)
 
     def _verify(self, problems: list[str]) -> None:
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
         if not is_int(self.n) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
-        if not is_num(self.temperature) or self.temperature < 0:
-            problems.append(f"temperature must be a number >= 0 (0 means greedy), got {self.temperature!r}")
-        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+        if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be a finite number >= 0 (0, or below 1e-5, means greedy), "
+                            f"got {self.temperature!r}")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             problems.append(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        if self.seed is not None and not is_int(self.seed):
-            problems.append(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
+            problems.append(f"seed must be an integer in [-2**63, 2**64 - 1] (torch's seed range) or None, "
+                            f"got {self.seed!r}")
+        elif self.seed is not None and is_int(self.n) and self.seed + self.n - 1 > SEED_MAX:
+            problems.append(f"seed + n - 1 must be <= 2**64 - 1: sample i uses seed + i, got seed={self.seed} "
+                            f"with n={self.n}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             problems.append(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -69,6 +88,8 @@ class SamplingParams:
             problems.append("stop must hold non-empty strings")
         if any(not is_int(t) for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must hold integers, got {self.stop_token_ids!r}")
+        elif any(t < 0 for t in self.stop_token_ids):
+            problems.append(f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             problems.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if problems:
@@ -76,7 +97,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Pick the most likely token: temperature 0, or one too small to divide by (vLLM's rule)."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def stop_strings(self) -> list[str]:
@@ -85,7 +107,7 @@ class SamplingParams:
 
 @dataclass
 class BeamSearchParams:
-    """Beam search settings (as vLLM's ``LLM.beam_search``)."""
+    """Beam search settings (as vLLM's ``LLM.beam_search``), checked like ``SamplingParams``."""
 
     beam_width: int = 2
     max_tokens: int = 16
@@ -93,7 +115,14 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        problems = []
+        if not is_int(self.beam_width) or self.beam_width < 1:
+            problems.append(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.ignore_eos, bool):
+            problems.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not is_number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            problems.append(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if problems:
+            raise ValueError("Invalid BeamSearchParams: " + "; ".join(problems))

@@ -523,12 +523,13 @@ class StaticBatching:
 
 
 def make_policy(config):
-    """The configured policy: "continuous", "static", a schedule_step-like function, or a policy
-    object (or class) with ``schedule(scheduler)``."""
-    p = config.scheduling_policy if config.scheduling_policy is not None else config.scheduler
-    if p == "continuous":
+    """The policy that ``config.scheduling_policy`` names: "continuous" (``schedule_step``, vLLM v1's
+    rules), "static", a schedule_step-like function, or a policy object (or a class, built with no
+    arguments) with ``schedule(scheduler)``. ``EngineConfig.verify`` has checked which one it is."""
+    p = config.scheduling_policy
+    if isinstance(p, str) and p == "continuous":
         return PlanPolicy(schedule_step)
-    if p == "static":
+    if isinstance(p, str) and p == "static":
         return StaticBatching()
     if isinstance(p, type):
         p = p()

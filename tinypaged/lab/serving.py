@@ -46,12 +46,12 @@ class System:
 
 
 SYSTEMS = (
-    System("static", "Static (Max)", dict(scheduler="static", kv_cache="contiguous", reservation_policy="max")),
-    System("orca-max", "Orca (Max)", dict(scheduler="continuous", kv_cache="contiguous", reservation_policy="max")),
-    System("orca-pow2", "Orca (Pow2)", dict(scheduler="continuous", kv_cache="contiguous", reservation_policy="pow2")),
+    System("static", "Static (Max)", dict(scheduling_policy="static", kv_cache="contiguous", reservation_policy="max")),
+    System("orca-max", "Orca (Max)", dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="max")),
+    System("orca-pow2", "Orca (Pow2)", dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="pow2")),
     System("orca-oracle", "Orca (Oracle)",
-           dict(scheduler="continuous", kv_cache="contiguous", reservation_policy="oracle")),
-    System("vllm", "vLLM", dict(scheduler="continuous", kv_cache="paged")),
+           dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="oracle")),
+    System("vllm", "vLLM", dict(scheduling_policy="continuous", kv_cache="paged")),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
