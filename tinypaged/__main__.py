@@ -3,6 +3,7 @@
     python -m tinypaged generate "Once upon a time" --max-tokens 32
     python -m tinypaged chat "What is a KV cache?"
     python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts)
+    python -m tinypaged serve --model smollm2-135m --port 8000   # an OpenAI-compatible server
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tinypaged")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
+    from tinypaged import server
+
+    server.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     for name in ("generate", "chat"):
         g = sub.add_parser(name)
         g.add_argument("prompts", nargs="+")
@@ -26,6 +30,8 @@ def main(argv=None) -> int:
         g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
         g.add_argument("--trace", action="store_true", help="print one line per engine step")
     args = ap.parse_args(argv)
+    if args.cmd == "serve":
+        return server.serve(args)
     if args.cmd == "prepare":
         from tinypaged.model_loader import smollm2_folder
 
