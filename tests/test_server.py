@@ -8,7 +8,6 @@ official ``openai`` client. The ``tiny`` model (no tokenizer) is checked through
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -16,35 +15,13 @@ import httpx
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.server import create_app
+from tinypaged.server import ServerThread, create_app
 
 TINY_PROMPTS = [[1, 2, 3], [5, 9, 11, 13], [7], [2, 4, 6, 8, 10, 12]]
 
 
-class RunningServer:
-    def __init__(self, llm, name, max_queued=256):
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(llm, name, max_queued)
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-
-    @property
-    def loop(self):
-        return self.app.state.server.loop
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
+def RunningServer(llm, name, max_queued=256):
+    return ServerThread(create_app(llm, name, max_queued))
 
 
 def metric(text: str, name: str) -> float:

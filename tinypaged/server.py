@@ -426,6 +426,39 @@ def build_llm(args):
     return LLM(args.model, **knobs)
 
 
+class ServerThread:
+    """The app on uvicorn in a background thread, on 127.0.0.1 and a free port (tests, benchmarks,
+    notebooks); ``close()`` shuts it down the way Ctrl-C does."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port == 0:
+            with socket.socket() as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+        self.app, self.port, self.url = app, port, f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, name="tinypaged-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+
+    @property
+    def loop(self) -> EngineLoop:
+        return self.app.state.server.loop
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
 def serve(args) -> int:
     import uvicorn
 
