@@ -3,6 +3,7 @@
     python -m tinypaged generate "Once upon a time" --max-tokens 32
     python -m tinypaged chat "What is a KV cache?"
     python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts)
+    python -m tinypaged serve --model smollm2-135m --port 8000   # an OpenAI-compatible server
 
 A bad argument or knob prints one ``python -m tinypaged generate: error: ...`` line and exits with 2
 (argparse's status for its own errors); no traceback.
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
     ap = Parser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
+    from tinypaged import server
+
+    server.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     for name in ("generate", "chat"):
         g = sub.add_parser(name)
         g.add_argument("prompts", nargs="+", type=prompt)
@@ -74,6 +78,10 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.cmd == "serve":
+        from tinypaged import server
+
+        return server.serve(args)
     if args.cmd == "prepare":
         from tinypaged.model_loader import smollm2_folder
 
