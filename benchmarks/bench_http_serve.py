@@ -156,7 +156,7 @@ def bench_runs(vpy: str, url: str, folder: str, args, out_dir: Path, label: str)
     settings = [("rate", r) for r in args.rates] + [("concurrency", args.max_concurrency)]
     for kind, value in settings:
         out = out_dir / f"{label}-{kind}-{value}.json"
-        cmd = [vpy, "-c", BENCH_CLIENT, str(out), "--backend", "openai", "--base-url", url, "--endpoint",
+        cmd = [vpy, "-P", "-c", BENCH_CLIENT, str(out), "--backend", "openai", "--base-url", url, "--endpoint",
                "/v1/completions", "--model", "smollm2-135m", "--tokenizer", folder, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", "0", "--disable-tqdm",
@@ -216,11 +216,13 @@ def load(args) -> None:
     env = {**os.environ, "PYTHONPATH": "", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_CPU_OMP_THREADS_BIND": args.cpus.replace(",", "-") if "," in args.cpus else args.cpus,
            "HF_HUB_OFFLINE": "1"}
-    theirs = subprocess.Popen(pin + [vpy, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+    # -P and a scratch cwd: the repository's kernels/ folder must not shadow the `kernels` package
+    theirs = subprocess.Popen(pin + [vpy, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
                                      "--served-model-name", "smollm2-135m", "--dtype", "float32", "--block-size", "32",
                                      "--max-model-len", str(args.input_len + args.output_len + 64), "--host",
                                      "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=open(out_dir / "vllm-serve.log", "w"), stderr=subprocess.STDOUT)
+                              env=env, cwd=out_dir, stdout=open(out_dir / "vllm-serve.log", "w"),
+                              stderr=subprocess.STDOUT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}", theirs, 900)
         rows += bench_runs(vpy, f"http://127.0.0.1:{port}", folder, args, out_dir, "vllm")
