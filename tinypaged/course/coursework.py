@@ -4,18 +4,19 @@
     python -m tinypaged.course check             # fail if exercises/ drifted from solutions/
     python -m tinypaged.course lint              # check the solution notebooks' nbgrader metadata
     python -m tinypaged.course release           # the nbgrader course: source/ and release/ under course/
-    python -m tinypaged.course grade NB... [--json] [--csv FILE]
+    python -m tinypaged.course grade NB... [--json] [--csv FILE] [--feedback DIR] [--unsafe-no-sandbox]
 
 ``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
 :mod:`tinypaged.course.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
 scratch course and copies the released notebook to ``exercises/``: solution regions become
 ``raise NotImplementedError("not implemented yet")``, hidden tests and outputs are removed, cells are locked.
 
-``grade`` is the quick path without a gradebook: each notebook is rebuilt around the instructor's
-locked and test cells (its stage comes from ``metadata.tinypaged.stage``, not the file name), run
-in its own kernel in a subprocess with per-cell and per-notebook time limits, and scored by
-:mod:`tinypaged.course.grading.verify` in this process. Exit status 0 only if every notebook gets every
-autograded point.
+``grade`` is the quick path without a gradebook: each notebook (its stage comes from
+``metadata.tinypaged.stage``, not the file name) is graded by :func:`tinypaged.course.grading.verify.grade`
+(the learner's code extracted by the instructor's ``grade_id`` and checked in a sandboxed process, the
+verdicts judged here), then run in a sandboxed kernel for the learner's feedback. It refuses to run
+without bubblewrap unless told ``--unsafe-no-sandbox``. Exit status 0 only if every notebook gets every
+automatic point (2: no sandbox).
 """
 
 from __future__ import annotations
@@ -247,9 +248,10 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: 
             if stopped:
                 report["findings"].append(dict(kind="killed", cell=stopped.get("cell"), line=0, checks=[],
                                                what=f"feedback run: {stopped['why']}", counted=False))
-            if feedback is not None:
-                write_feedback(executed, report, source, Path(feedback) / (Path(path).stem + ".html"))
-                report["feedback"] = str(Path(feedback) / (Path(path).stem + ".html"))
+            if feedback is not None:  # named after the folder too: every submission may be called NN_name.ipynb
+                out = Path(feedback) / f"{Path(path).resolve().parent.name}-{Path(path).stem}.html"
+                write_feedback(executed, report, source, out)
+                report["feedback"] = str(out)
     except SandboxUnavailable as e:
         report["error"] = str(e)
     report.update(notebook=str(path), stage=stage, seconds=round(time.monotonic() - t0, 1),

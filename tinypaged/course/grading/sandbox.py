@@ -39,6 +39,7 @@ class SandboxUnavailable(RuntimeError):
 
 
 def bwrap() -> str | None:
+    """The bubblewrap binary on PATH (None: no sandbox here)."""
     return shutil.which("bwrap")
 
 
@@ -57,7 +58,8 @@ def _readable_paths() -> list[Path]:
     for entry in sys.path:
         if entry and Path(entry).is_dir():
             paths.append(Path(entry).resolve())
-    return [p.resolve() for p in paths if p.exists()]
+    found = sorted({p.resolve() for p in paths if p.exists()}, key=lambda p: len(p.parts))
+    return [p for i, p in enumerate(found) if not any(q == p or q in p.parents for q in found[:i])]
 
 
 def _private_files() -> bool:
@@ -112,7 +114,7 @@ class Sandbox:
         return keep
 
     def limits(self) -> list[str]:
-        return [shutil.which("prlimit") or "prlimit", f"--as={self.memory_bytes}", f"--cpu={self.cpu_seconds}",
+        return [shutil.which("prlimit") or shutil.which("prlimit", path="/usr/bin:/bin") or "prlimit", f"--as={self.memory_bytes}", f"--cpu={self.cpu_seconds}",
                 f"--nproc={self.processes}", "--core=0", "--"]
 
     def command(self, argv: list[str]) -> list[str]:

@@ -285,7 +285,8 @@ def strict_findings(source: str, index: int) -> list[Finding]:
             mod = node.module or ""
             if node.level or mod.split(".")[0] not in ALLOWED_IMPORTS:
                 add(node, f"imports from {mod or '.'}, which a solution cell may not use")
-            elif mod.startswith(GRADER_MODULES):
+            elif mod.startswith(GRADER_MODULES) and any(f"{mod}.{a.name}" not in ALLOWED_GRADER_NAMES
+                                                        for a in node.names):
                 add(node, f"touches the grader ({mod})")
         elif isinstance(node, ast.Attribute):
             if (node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ALLOWED_DUNDERS) \

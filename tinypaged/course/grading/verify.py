@@ -100,12 +100,15 @@ def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
                 if set(checks.get(name).targets) & set(f.binds):
                     reuse.setdefault(name, []).append(f)
     kills = {k["call"]: k for k in evidence["kills"] if "call" in k}
+    # a piece caught calling a reference at run time taints every check that exercises it (a serving check)
+    caught = {checks.get(r["check"]).target: r["reuse"] for r in evidence["records"].values()
+              if isinstance(r, dict) and r.get("reuse") and r.get("check") in checks.REGISTRY}
     cell_kill = next((k for k in evidence["kills"] if "cell" in k), None)
     tests = []
     for i, cell in enumerate(source_nb["cells"]):
         if nbk.is_test(cell):
             calls = [c for c in job["calls"] if c["cell"] == i]
-            tests.append(_score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse))
+            tests.append(_score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse, caught))
     manual = [{"grade_id": nbk.grade_id(c), "cell": i, "points": nbk.points(c)}
               for i, c in enumerate(source_nb["cells"]) if nbk.is_manual(c)]
     errors = [{"cell": int(i), "grade_id": next((c["grade_id"] for c in job["cells"] if c["index"] == int(i)), None),
@@ -153,7 +156,7 @@ def _kill_text(k: dict, job: dict) -> str:
     return f"the checks' process {k['why']}"
 
 
-def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse) -> dict:
+def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse, caught) -> dict:
     pts = nbk.points(cell)
     row = {"grade_id": nbk.grade_id(cell), "cell": i, "points": pts, "score": 0.0, "status": checks.FAIL,
            "message": "", "checks": []}
@@ -193,6 +196,9 @@ def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_ms
             f = reuse[name][0]
             v.update(passed=0.0, status=checks.FAIL,
                      message=f"uses the package's reference implementation {f.what} (cell {f.cell}, line {f.line})")
+        tainted = sorted(set(c.uses) & set(caught))
+        if tainted and name not in reuse:
+            v.update(passed=0.0, status=checks.FAIL, message=f"uses your {tainted[0]}: {caught[tainted[0]]}")
         if refused:
             v.update(passed=0.0, status=checks.FAIL, message="grading refused what your code asked for: "
                      + refused[0].split(":", 1)[1].strip())
