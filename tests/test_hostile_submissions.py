@@ -94,8 +94,13 @@ def test_code_attacks_gain_nothing_and_honest_work_keeps_full_marks(tmp_path):
     paths = [build(s, tmp_path / s["fixture"] / s["name"], {"@ROOT@": ROOT}) for s in specs("code")]
     rc, reports = grade(paths, "--no-execute", "--jobs", "2", "--csv", str(tmp_path / "grades.csv"), *LIMITS)
     assert rc == 1
+    failed = []
     for spec in specs("code"):
-        check(spec, reports[spec["fixture"]], reports[spec["fixture"]]["score"])
+        try:
+            check(spec, reports[spec["fixture"]], reports[spec["fixture"]]["score"])
+        except AssertionError as e:  # report every submission that went wrong, not only the first
+            failed.append(str(e))
+    assert not failed, "\n\n".join(failed)
     rows = {Path(r["notebook"]).parent.name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
     assert len(rows) == len(specs("code"))  # one line per submission
     assert rows["honest_solution_renamed"]["status"] == "PASS" and rows["untouched"]["status"] == "FAIL"
@@ -120,8 +125,13 @@ def test_kernel_attacks_gain_nothing_and_stay_in_their_sandbox(tmp_path):
     feedback = tmp_path / "feedback"
     rc, reports = grade(paths, "--jobs", "1", "--feedback", str(feedback), *LIMITS)
     assert rc == 1
+    failed = []
     for spec in kernel:
-        check(spec, reports[spec["fixture"]], reports[spec["fixture"]]["score"])
+        try:
+            check(spec, reports[spec["fixture"]], reports[spec["fixture"]]["score"])
+        except AssertionError as e:
+            failed.append(str(e))
+    assert not failed, "\n\n".join(failed)
     assert reports["after_patch"]["score"] == 0
     assert not mark.exists() and digest(WATCHED) == before
     html = (feedback / "escape_attempts-02_block_table.html").read_text()  # the learner's feedback
@@ -154,3 +164,58 @@ def test_escape_attempts_all_fail_inside_the_sandbox(tmp_path):
                             "write gradebook", "write outside scratch", "network"}
     assert "DONE" not in results.values(), results
     assert not mark.exists()
+
+
+def test_a_crash_or_exit_costs_only_its_own_step():
+    """The checks' process dies three ways (SIGABRT in a check, as a Triton store out of bounds does; os._exit in
+    a solution cell; os._exit in a check): each costs only its step, names it, and the other checks keep their points
+    (read by the probe alone: the static reading would already refuse ``import os``)."""
+    from tinypaged.course.grading import verify
+
+    sol = nbk.read(ROOT / "solutions" / "01_contiguous_kv_cache.ipynb")
+    keep = {"setup", "reservation_tokens", "test_reservation_tokens", "first_fit", "test_first_fit", "free_holes",
+            "test_free_holes"}
+    source = {**sol, "cells": [c for c in sol["cells"] if nbk.grade_id(c) in keep]}
+    sub = json.loads(json.dumps(source))
+    by_id = {nbk.grade_id(c): c for c in sub["cells"]}
+    by_id["free_holes"]["source"] = "def free_holes(regions, capacity):\n    import os\n    os.abort()\n"
+    by_id["first_fit"]["source"] = "import os\nos._exit(0)\n"  # the last solution cell
+    job = verify.build_job(source, sub, "01", cell_cpu=60, check_cpu=60)
+    from tinypaged.course.grading.evidence import gather
+
+    ev = gather(job, coursework.sandbox_factory(coursework.hidden_paths()))
+    rep = verify.score(source, job, [], ev)
+    rows = {t["grade_id"]: t for t in rep["tests"]}
+    assert rows["test_reservation_tokens"]["score"] == rows["test_reservation_tokens"]["points"] > 0, rows
+    assert rows["test_free_holes"]["score"] == 0 and "SIGABRT" in rows["test_free_holes"]["message"], rows
+    assert rows["test_first_fit"]["score"] == 0 and "not run" in rows["test_first_fit"]["message"], rows
+    kills = " ".join(f["what"] for f in rep["findings"] if f["kind"] == "killed")
+    assert "(first_fit)" in kills and "did not run" in kills and "check free_holes" in kills, kills
+
+
+def test_the_sandbox_hides_the_answers_and_allows_writes_only_to_its_scratch(tmp_path):
+    """The sandbox itself, with a shell: cheap, and independent of the notebooks."""
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    subs = tmp_path / "submissions"
+    subs.mkdir()
+    (subs / "bob.ipynb").write_text("{}")
+    box = coursework.sandbox_factory(coursework.hidden_paths([subs / "bob.ipynb"]))(scratch)
+    script = "; ".join([
+        f"ls {ROOT}/solutions | wc -l",  # empty
+        f"cat {subs}/bob.ipynb 2>/dev/null || echo no-submissions",
+        f"touch {ROOT}/tinypaged/x 2>/dev/null || echo no-package-write",
+        f"touch {Path.home()}/x 2>/dev/null || echo no-home-write",
+        f"touch {tmp_path}/x 2>/dev/null || echo no-outside-write",
+        "touch ./ok && echo scratch-write",
+        "python3 -c 'import socket; socket.create_connection((\"1.1.1.1\", 80), timeout=2)' 2>/dev/null "
+        "|| echo no-network",
+        "id -u",
+    ])
+    out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
+                         cwd=scratch).stdout.split()
+    assert out[:7] == ["0", "no-submissions", "no-package-write", "no-home-write", "no-outside-write",
+                       "scratch-write", "no-network"], out
+    if os.geteuid() == 0:
+        assert out[7] == "65534"  # nobody
+    assert not (ROOT / "tinypaged" / "x").exists() and not (tmp_path / "x").exists()

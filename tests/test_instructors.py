@@ -23,8 +23,8 @@ ROOT = coursework.ROOT
 DOC = ROOT / "docs" / "INSTRUCTORS.md"
 FIXTURES = ROOT / "tests" / "fixtures" / "submissions"
 # attacks on the learner's kernel and on nbgrader's own trust in the notebook's metadata
-HOSTILE = ("forged_records", "remarked_metadata", "escape_attempts", "os_exit_half_way", "sigint_ignoring_hang",
-           "patch_package")
+# (the other attacks are the quick grader's in tests/test_hostile_submissions.py: the same verifier grades both)
+HOSTILE = ("forged_records", "remarked_metadata", "escape_attempts", "os_exit_half_way")
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
@@ -59,18 +59,15 @@ def test_release_collect_autograde_export(tmp_path):
     released = course / "release" / assignment / f"{assignment}.ipynb"
     assert released.exists()
 
-    # collect: alice hands in the solution, bob the untouched notebook, mallory patches the checks, and the attacks
-    patched = nbk.read(released)
-    patched["cells"].insert(1, {"cell_type": "code", "metadata": {}, "execution_count": None, "outputs": [],
-                                "source": "import tinypaged.course.checks as c\nc.check = lambda *a, **k: print('PASS')\n"})
+    # collect: alice hands in the solution, bob the untouched notebook, and the attacks
     submitted = course / "submitted"
     mark = tmp_path / "ESCAPED"
     places = {"@ROOT@": ROOT, "@COURSE@": course, "@SUBMISSIONS@": submitted, "@MARK@": mark}
-    expected = {"alice": None, "bob": 0.0, "mallory": 0.0}
-    for student, nb in (("alice", ROOT / "solutions" / f"{assignment}.ipynb"), ("bob", released), ("mallory", None)):
+    expected = {"alice": None, "bob": 0.0}
+    for student, nb in (("alice", ROOT / "solutions" / f"{assignment}.ipynb"), ("bob", released)):
         dest = submitted / student / assignment / f"{assignment}.ipynb"
         dest.parent.mkdir(parents=True)
-        dest.write_text(json.dumps(patched)) if nb is None else shutil.copy(nb, dest)
+        shutil.copy(nb, dest)
     specs = {name: json.loads((FIXTURES / f"{name}.json").read_text()) for name in HOSTILE}
     for name, spec in specs.items():
         assert spec["base"].endswith(f"{assignment}.ipynb"), "the nbgrader attacks are written for this assignment"

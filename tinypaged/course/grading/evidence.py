@@ -60,7 +60,7 @@ def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: int) -> str:
     if sig == "SIGXCPU":
         return f"ran past its CPU-time budget ({cpu_budget} s of CPU)"
     if sig == "SIGKILL":
-        return "was killed (the memory or CPU-time limit of the sandbox)" + said
+        return "was killed (its CPU-time budget or the sandbox's memory limit)" + said
     if sig in ("SIGABRT", "SIGSEGV", "SIGBUS"):
         return f"crashed the process ({sig}){said}: a store or load out of bounds?"
     if sig:

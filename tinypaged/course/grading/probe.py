@@ -20,7 +20,9 @@ the grader's process, from the package's references. While the learner's code ru
   is reported as tampering;
 * a trace function in every thread (``sys.settrace`` and ``threading.settrace``) notes a call into the
   check's forbidden references with a learner frame on the stack (reuse, however it was reached);
-* each check call runs under its own CPU-time budget (``RLIMIT_CPU``, soft limit).
+* a Python thread of the learner's still running during a check (one the trace hook may not see) counts
+  as reuse for that check;
+* each learner cell and each check call runs under its own CPU-time budget (``RLIMIT_CPU``, soft limit).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import traceback
 import types
 from pathlib import Path
 
+SERVING_CPU = 300  # CPU seconds a serving check may use, whatever the per-check budget
 MODULE = "submission"  # the learner's module (the serving check refuses plug-ins from anywhere else)
 
 
@@ -150,6 +153,7 @@ def run(job: dict, events: Events) -> None:
     module = types.ModuleType(MODULE)
     module.__file__ = str(cells_dir / "__init__.py")
     sys.modules[MODULE] = module
+    baseline = set(sys._current_frames())  # Python threads before any learner code ran
     stop_cells = job.get("skip_cells_from")
     for cell in job["cells"]:
         i = cell["index"]
@@ -179,6 +183,9 @@ def run(job: dict, events: Events) -> None:
         try:
             impl = _resolve(module, call["target"])
         except (KeyError, AttributeError):
+            if stop_cells is not None:  # its cell never ran (an earlier probe died there): no observation
+                events(call=key, skipped=True)
+                continue
             events(call=key, record={"check": c.name, "hidden": call["hidden"], "reuse": None,
                                      "outcomes": [{"steps": [], "error": f"NameError: {call['target']} is not defined "
                                                   "(did its cell fail?)"}]}, refused=[], threads=[])
@@ -187,9 +194,9 @@ def run(job: dict, events: Events) -> None:
         guard.codes = set().union(*(checks._codes_of(r) for r in c.forbidden_objects())) \
             if (c.trace and reuse is None) else set()
         guard.hits = []
-        before = set(sys._current_frames())
         outcomes = []
-        _budget(job.get("check_cpu", 300))
+        # a serving check loads and runs a model: it never gets less than SERVING_CPU seconds
+        _budget(max(job.get("check_cpu", 300), SERVING_CPU) if c.expected is not None else job.get("check_cpu", 300))
         for n, case in enumerate(c.cases(call["hidden"])):
             events(call=key, case=n)
             if guard.codes:
@@ -206,9 +213,11 @@ def run(job: dict, events: Events) -> None:
                     guard.hits.append("(the trace function was replaced)")
                 sys.settrace(None)
                 threading.settrace(None)
-        extra = sorted(set(sys._current_frames()) - before - {threading.get_ident()})
+        extra = sorted(set(sys._current_frames()) - baseline)
         if guard.hits and reuse is None:
             reuse = f"{c.target} calls the package's own {sorted(set(guard.hits))[0]}"
+        if extra and reuse is None:  # a thread the trace hook may not see could have called anything
+            reuse = f"{len(extra)} thread(s) your code started ran during the check, where grading cannot watch them"
         record = {"check": c.name, "hidden": call["hidden"], "outcomes": outcomes, "reuse": reuse}
         events(call=key, record=record, refused=guard.refused[:],
                threads=[f"{len(extra)} thread(s) of the learner's code still running"] if extra else [])

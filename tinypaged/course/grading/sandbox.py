@@ -8,7 +8,8 @@ What a sandboxed command sees and may do:
   back read-only (the Python installation, the converted model cache); every folder in ``hide``
   (``solutions/``, the nbgrader course folder with ``source/``, ``gradebook.db`` and the other
   submissions, the folder of the notebooks being graded) is an empty tmpfs;
-* one private, writable scratch directory (its working directory and ``$HOME``);
+* one private, writable scratch directory (its working directory and ``$HOME``); the GPU's device
+  nodes (``/dev/nvidia*``) when there are any;
 * no network (``--unshare-net``: only a loopback, which the Jupyter kernel needs), its own process
   namespace (``--unshare-pid``), killed with the grader (``--die-with-parent``);
 * limits from ``prlimit``: address space, CPU seconds (a CPU-time limit, so a loaded machine never
@@ -157,6 +158,8 @@ class Sandbox:
         for h in hidden:  # hidden again where a bound-back folder holds them
             if any(p in h.parents for p in rebound):
                 cmd += hide(h)
+        for dev in sorted(Path("/dev").glob("nvidia*")) + sorted(Path("/dev/dri").glob("*")):  # a GPU, if any
+            cmd += ["--dev-bind", str(dev), str(dev)]
         cmd += ["--bind", s, s, "--chdir", s, "--clearenv"]
         for k, v in self.env().items():
             cmd += ["--setenv", k, v]
