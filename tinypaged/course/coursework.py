@@ -215,7 +215,7 @@ def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1
 
 def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: bool = False,
                    execute: bool = True, feedback: Path | None = None, cell_timeout: int = 600,
-                   cpu_timeout: int = 300, notebook_timeout: int = 1800, idle: float = 120.0,
+                   cpu_timeout: int = 300, notebook_timeout: int = 7200, idle: float = 120.0,
                    hide: list[Path] = ()) -> dict:
     """Grade one submitted notebook (:func:`tinypaged.course.grading.verify.grade`), then run it for the
     learner's feedback (no grade is taken from that run); the report as a dict."""
@@ -361,10 +361,11 @@ def main(argv=None) -> int:
     g.add_argument("--cpu-timeout", type=int, default=300,
                    help="CPU seconds per cell and per check (default 300; CPU time, so load does not trip it)")
     g.add_argument("--timeout", type=int, default=600,
-                   help="wall seconds per cell of the feedback run, for hangs that use no CPU (default 600)")
+                   help="seconds a cell of the feedback run may go without using the CPU (a hang; default 600)")
     g.add_argument("--idle", type=float, default=120.0,
                    help="stop a check that uses no CPU for this many seconds (default 120)")
-    g.add_argument("--notebook-timeout", type=int, default=1800, help="wall seconds per feedback run (default 1800)")
+    g.add_argument("--notebook-timeout", type=int, default=7200,
+                   help="wall seconds per feedback run, a last resort (default 7200)")
     g.add_argument("--no-execute", action="store_true",
                    help="grade only: skip the feedback run of the notebook (the grade never comes from it)")
     g.add_argument("--unsafe-no-sandbox", action="store_true",

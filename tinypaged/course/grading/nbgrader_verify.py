@@ -63,7 +63,8 @@ def _sandbox(resources):
 class SandboxedExecute(NbGraderPreprocessor):
     """Run the submission for feedback, in the sandbox (nbgrader's ``Execute`` would run it unprotected)."""
 
-    timeout = Integer(600, help="wall seconds per cell, for hangs that use no CPU").tag(config=True)
+    timeout = Integer(600, help="seconds a cell may go without using the CPU (a hang) before its kernel is stopped"
+                      ).tag(config=True)
     cpu_timeout = Integer(300, help="CPU seconds per cell").tag(config=True)
 
     def preprocess(self, nb, resources):
@@ -74,7 +75,7 @@ class SandboxedExecute(NbGraderPreprocessor):
         try:
             source, _ = _source(resources, plain)
             run = nbk.assemble(source, plain)
-            executed = run_notebook(run, _sandbox(resources), self.timeout, 4 * self.timeout, self.cpu_timeout)
+            executed = run_notebook(run, _sandbox(resources), self.timeout, 7200, self.cpu_timeout)
         except Exception as e:  # grading still happens (VerifyChecks); the feedback says why it is missing
             self.log.error("tinypaged: the feedback run failed: %s", e)
             resources.setdefault("tinypaged", {})["feedback_error"] = str(e)
@@ -117,9 +118,10 @@ class VerifyChecks(NbGraderPreprocessor):
                                            what=f"feedback run: {stopped['why']}", counted=False))
         apply_to_notebook(plain, report, source or plain)
         by_id = {nbk.grade_id(c): c for c in plain["cells"] if nbk.grade_id(c)}
+        graded = {r["grade_id"] for r in report["tests"]}  # the source's test cells, whatever the metadata says
         for cell in nb.cells:
             gid = nbk.grade_id(cell)
-            if cell.cell_type == "code" and gid in by_id and nbk.is_test(by_id[gid]):
+            if cell.cell_type == "code" and gid in graded and gid in by_id:
                 cell.outputs = [from_dict(o) for o in by_id[gid]["outputs"]]
         present = {nbk.grade_id(c) for c in nb.cells}
         for extra in plain["cells"][len(nb.cells):]:  # test cells the submission lost, restored with their verdicts
