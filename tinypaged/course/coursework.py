@@ -254,6 +254,8 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: 
                 report["feedback"] = str(out)
     except SandboxUnavailable as e:
         report["error"] = str(e)
+    except Exception as e:  # grading itself failed: an error on the submission's line, never a silent 0
+        report["error"] = f"grading failed: {type(e).__name__}: {e}"
     report.update(notebook=str(path), stage=stage, seconds=round(time.monotonic() - t0, 1),
                   source=str(source_path.relative_to(solutions.parent))
                   if source_path.is_relative_to(solutions.parent) else str(source_path))

@@ -126,8 +126,10 @@ def gather(job: dict, make_sandbox, idle_s: float = 120.0) -> dict:
     """Run the probe until every step ran or was given up: records per call key, cell results, kills."""
     job = dict(job, skip_calls=[], skip_cells_from=None)
     records, cells, kills, refused, threads = {}, {}, [], [], []
-    for _ in range(len(job["calls"]) + 3):
+    for attempt in range(len(job["calls"]) + 3):
         events, stopped = run_probe(job, make_sandbox, idle_s)
+        if attempt == 0 and not events:  # it never reached the learner's code: grading failed, not the learner
+            raise RuntimeError(f"the checks' process did not start: it {stopped}")
         started_cell = started_call = case = None
         for e in events:
             if "cell" in e and e.get("start"):
