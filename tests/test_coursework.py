@@ -250,7 +250,9 @@ def test_verifier_zeroes_reuse_runtime_reuse_refusals_and_everything_after_tampe
     assert rep["score"] == 0 and "grader" in rep["tests"][0]["message"]
     ev = evidence()
     ev["records"]["test_ff/0"]["reuse"] = "first_fit calls the package's own first_fit"
-    assert 0 < graded("def first_fit(h, s): ...", ev)["tests"][0]["score"] < 2  # the hidden part still counts
+    rep = graded("def first_fit(h, s): ...", ev)
+    assert 0 < rep["tests"][0]["score"] < 2  # the hidden part still counts
+    assert coursework.status(rep) == "FLAGGED" and "at run time" in coursework.summary(rep)  # on its line
     ev = evidence(refused=["test_ff/1: cell_001_learner, line 2: sys._getframe()"])
     row = graded("def first_fit(h, s): ...", ev)["tests"][0]
     assert 0 < row["score"] < 2 and "refused" in row["message"]

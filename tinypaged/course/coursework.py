@@ -291,7 +291,7 @@ def summary(r: dict) -> str:
         if f.get("counted") or f["kind"] == "killed":
             where = f"cell {f['cell']}, line {f['line']}: " if f.get("cell") is not None and f.get("line") else \
                 (f"cell {f['cell']}: " if f.get("cell") is not None else "")
-            what = f"uses the package's {f['what']}" if f["kind"] == "reuse" else f["what"]
+            what = f"uses the package's {f['what']}" if f["kind"] == "reuse" and not f.get("runtime") else f["what"]
             parts.append(f"{f['kind']}: {where}{what}")
     return "; ".join(dict.fromkeys(parts))
 
@@ -311,7 +311,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  your cell {e['grade_id'] or e['cell']} raised {e['error']}")
     for f in r["findings"]:
         if f.get("counted") or f["kind"] == "killed":
-            what = f"uses the package's reference implementation {f['what']}" if f["kind"] == "reuse" else f["what"]
+            what = f"uses the package's reference implementation {f['what']}" \
+                if f["kind"] == "reuse" and not f.get("runtime") else f["what"]
             where = f"cell {f['cell']}, line {f['line']}: " if f.get("line") else ""
             lines.append(f"  {f['kind']}: {where}{what}")
     if r.get("manual_points"):

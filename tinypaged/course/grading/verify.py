@@ -121,6 +121,10 @@ def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
              for f in tamper if isinstance(f, _Runtime)]
     rows += [dict(kind="tamper", cell=None, line=0, what=f"refused at run time: {r}", checks=[], counted=True)
              for r in evidence["refused"] if not r.startswith("cell ")]
+    rows += [dict(kind="reuse", cell=None, line=0, what=f"at run time, check {r['check']}: {r['reuse']}", checks=[r["check"]],
+                  counted=True, runtime=True)
+             for r in {(r["check"], r["reuse"]): r for r in evidence["records"].values()
+                       if isinstance(r, dict) and isinstance(r.get("reuse"), str)}.values()]
     rows += [dict(kind="killed", cell=k.get("cell"), line=0, what=_kill_text(k, job), checks=[], counted=True)
              for k in evidence["kills"]]
     rows += [dict(kind="threads", cell=None, line=0, what=t, checks=[], counted=True) for t in evidence["threads"]]
