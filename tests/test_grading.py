@@ -21,7 +21,7 @@ STAGES = ("02_block_table", "03_prefix_sharing")  # small stages: the others are
 
 def grade(paths, *args, env=None):
     proc = subprocess.run([sys.executable, "-m", "tinypaged.course", "grade", "--json", *args, *map(str, paths)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1500,
+                          capture_output=True, text=True, cwd=ROOT, timeout=3600,
                           env=env or dict(os.environ, PYTHONHASHSEED="0"))
     return proc
 

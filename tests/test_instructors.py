@@ -37,7 +37,7 @@ def block(tag: str) -> str:
 
 def run(script: str, env: dict) -> subprocess.CompletedProcess:
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=2400)
+                          text=True, timeout=5400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

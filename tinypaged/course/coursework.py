@@ -199,9 +199,13 @@ def hidden_paths(submissions: list[Path] = ()) -> list[Path]:
         paths.append(course_root())
     except Exception:  # nbgrader_config.py unreadable: the defaults above still hold
         pass
-    for sub in submissions:
-        folder = Path(sub).resolve().parent
+    folders = [Path(sub).resolve().parent for sub in submissions]
+    for sub, folder in zip(submissions, folders):
         paths.append(Path(sub).resolve() if folder in ROOT.parents or folder == ROOT else folder)
+    if len(folders) > 1:  # submissions/<student>/...: the folder that holds them all (its names too)
+        common = Path(os.path.commonpath(folders))
+        if common not in (Path("/"), Path("/tmp"), Path.home()) and common != ROOT and common not in ROOT.parents:
+            paths.append(common)
     return [p.resolve() for p in paths]
 
 
