@@ -260,8 +260,12 @@ def test_verifier_zeroes_reuse_runtime_reuse_refusals_and_everything_after_tampe
 
 def test_verdicts_are_written_in_nbgraders_language():
     rep = graded("def first_fit(h, s): ...", evidence(calls=("test_ff/0",)))
-    out = apply_to_notebook(copy.deepcopy(SOURCE_FF), rep, SOURCE_FF)["cells"][2]["outputs"]
-    assert out[0]["output_type"] == "stream" and out[-1]["output_type"] == "execute_result"
+    ran = copy.deepcopy(SOURCE_FF)  # the kernel printed something and claimed an error-free full score
+    ran["cells"][2]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "your engine: ...\n"},
+                                  {"output_type": "execute_result", "data": {"text/plain": "2"}, "metadata": {}}]
+    out = apply_to_notebook(ran, rep, SOURCE_FF)["cells"][2]["outputs"]
+    assert out[0]["text"] == "your engine: ...\n"  # kept as feedback
+    assert [o["output_type"] for o in out[1:]] == ["stream", "execute_result"]  # the verdict, not the kernel's claim
     assert 0 < float(out[-1]["data"]["text/plain"]) < 2
     rep = graded("def first_fit(h, s): ...", evidence(calls=()))
     lost = copy.deepcopy(SOURCE_FF)

@@ -47,7 +47,7 @@ def test_solutions_full_marks_exercises_none_with_feedback(tmp_path):
     assert (first["status"], first["auto_score"], first["auto_max"], first["written_max"]) == ("PASS", "12", "12", "4")
     assert rows[2]["status"] == "FAIL"
     html = (tmp_path / "fb" / "solutions-02_block_table.html").read_text()
-    assert "your engine" in html and "transformers" in html and "calls through your code" in html  # the payoff
+    assert "your engine :" in html and "transformers:" in html and "calls through your code:" in html  # the payoff
     assert "test_serve: 2/2 PASS" in html and "hidden=" not in html
 
 

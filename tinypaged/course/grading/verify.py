@@ -16,7 +16,8 @@ scores 0; a check that killed its process scores 0 with the reason; a test cell 
 ``points x (weight of passing cases) / (weight of all cases)``, rounded to 2 decimals.
 
 ``apply_to_notebook`` writes the verdicts into an executed notebook's test cells, in nbgrader's scoring
-language (an error output: 0; a number: partial credit; nothing: full).
+language (an error output: 0; a number: partial credit; nothing: full); what the kernel printed there stays,
+as feedback (nbgrader's rule never reads printed text).
 """
 
 from __future__ import annotations
@@ -246,7 +247,10 @@ def apply_to_notebook(nb: dict, report: dict, source_nb: dict) -> dict:
         gid = nbk.grade_id(cell)
         if gid in rows and cell.get("cell_type") == "code" and gid not in seen:
             seen.add(gid)
-            cell["outputs"] = _outputs(rows[gid], cell.get("execution_count"))
+            # what the kernel printed stays as feedback (a serving cell's payoff); nbgrader scores only errors
+            # and results, which come from the verdict alone
+            printed = [o for o in cell.get("outputs", []) if isinstance(o, dict) and o.get("output_type") == "stream"]
+            cell["outputs"] = printed + _outputs(rows[gid], cell.get("execution_count"))
     for ref in source_nb["cells"]:
         gid = nbk.grade_id(ref)
         if gid in rows and gid not in seen:
