@@ -4,17 +4,17 @@ Layout (nbgrader's): <course>/source/<assignment>/<assignment>.ipynb is staged f
 solutions/<assignment>.ipynb by `python -m tinypaged.course release`; generate_assignment writes
 <course>/release/, students' work goes to <course>/submitted/<student>/<assignment>/, autograde writes
 <course>/autograded/, and `nbgrader export` writes grades.csv. <course> is $TINYPAGED_COURSE or course/.
-See docs/INSTRUCTORS.md.
+See docs/INSTRUCTORS.md (it also says what the sandbox needs: bubblewrap).
 """
 
 import os
 from pathlib import Path
 
 from nbconvert.preprocessors import ClearMetadataPreprocessor
-from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Execute, IgnorePattern, LimitOutput,
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput,
                                     SaveAutoGrades)
 
-from tinypaged.course.grading.nbgrader_verify import VerifyChecks
+from tinypaged.course.grading.nbgrader_verify import RecordFindings, SandboxedExecute, VerifyChecks
 
 HERE = Path(__file__).resolve().parent
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
@@ -28,18 +28,23 @@ c.Exchange.root = os.environ.get("TINYPAGED_EXCHANGE", os.path.join(c.CourseDire
 c.ClearSolutions.code_stub = {"python": 'raise NotImplementedError("not implemented yet")'}
 c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 
-# Each submission runs in its own kernel; a cell that runs longer than this is interrupted and the
-# rest of the notebook still runs. The kernel emits check records (TINYPAGED_GRADING=1) and
-# VerifyChecks scores them in nbgrader's own process, after execution and before grades are saved.
-c.Execute.timeout = 120
-os.environ["TINYPAGED_GRADING"] = "1"
+# autograde never runs a submission in nbgrader's own environment: SandboxedExecute runs it under
+# bubblewrap for the learner's feedback (limits in CPU seconds, so a loaded machine fails nothing), and
+# VerifyChecks grades it from the learner's code alone, in a sandboxed checks' process
+# (tinypaged/course/grading/). Without bwrap both refuse and the submission is flagged, with the reason.
+c.SandboxedExecute.cpu_timeout = 300
+c.SandboxedExecute.timeout = 600
+c.VerifyChecks.cpu_timeout = 300
 c.Autograde.autograde_preprocessors = [
-    Execute,
+    SandboxedExecute,
     VerifyChecks,
     IgnorePattern,
     ClearMetadataPreprocessor,
     LimitOutput,
     SaveAutoGrades,
+    RecordFindings,
     AssignLatePenalties,
     CheckCellMetadata,
 ]
+# `nbgrader export`: automatic and written points apart, a status and the findings line per submission.
+c.ExportApp.plugin_class = "tinypaged.course.grading.nbgrader_verify.TinypagedCsvExport"

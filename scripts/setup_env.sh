@@ -3,6 +3,9 @@
 # Idempotent: a stamp records what was installed; nothing is reinstalled while it matches.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Grading runs every submission under bubblewrap (docs/INSTRUCTORS.md); say so early, every time, when it is missing.
+command -v bwrap >/dev/null 2>&1 || echo "note: bubblewrap (bwrap) is not installed: grading submissions will refuse" \
+  "to run (apt-get install bubblewrap); learning and the tests that need no sandbox are unaffected" >&2
 
 PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "tinypaged needs Python 3.11 or newer")'

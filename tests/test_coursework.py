@@ -11,7 +11,7 @@ import pytest
 from tinypaged.course import checks, coursework
 from tinypaged.course.grading import notebook as nbk
 from tinypaged.course.grading.scan import scan_notebook
-from tinypaged.course.grading.verify import apply_to_notebook, verify
+from tinypaged.course.grading.verify import apply_to_notebook, build_job, score
 
 SOLVED = """def add(a, b):
     ### BEGIN SOLUTION
@@ -184,62 +184,100 @@ def test_scan_leaves_ordinary_code_alone(src):
 
 # ---------------------------------------------------------------- the verifier
 
-def record(name, outcomes, hidden=None, reuse=None):
-    return {"output_type": "display_data", "metadata": {},
-            "data": {checks.RECORD_MIME: {"check": name, "hidden": hidden, "outcomes": outcomes, "reuse": reuse},
-                     "text/plain": "<record>"}}
-
-
-def observed(name, impl, hidden=None):
-    r = checks.observe(checks.get(name), impl, hidden, detect=False)
-    return record(name, r["outcomes"], hidden)
-
-
 def ff(holes, size):
     return next((s for s, g in holes if g >= size), None)
 
 
-def executed(learner_src, outputs, points=2):
-    cells = [code("from tinypaged.course.checks import check", "setup"), code(learner_src, "first_fit", "solution"),
-             code('check("first_fit", first_fit)\n### BEGIN HIDDEN TESTS\ncheck("first_fit", first_fit, hidden=7)\n'
-                  '### END HIDDEN TESTS', "test_ff", "test", points=points, outputs=outputs)]
-    return nb(*cells)
+SOURCE_FF = nb(code("from tinypaged.course.checks import check", "setup"),
+               code("def first_fit(holes, size):\n    ### BEGIN SOLUTION\n    return None\n    ### END SOLUTION\n",
+                    "first_fit", "solution"),
+               code('check("first_fit", first_fit)\n### BEGIN HIDDEN TESTS\ncheck("first_fit", first_fit, hidden=7)\n'
+                    '### END HIDDEN TESTS', "test_ff", "test", points=2))
 
 
-def test_verifier_scores_records_against_its_own_expectations():
-    good = executed("def first_fit(h, s): ...", [observed("first_fit", ff), observed("first_fit", ff, 7)])
-    rep = verify(good)
+def evidence(impl=ff, calls=("test_ff/0", "test_ff/1"), **extra):
+    """What a probe would have reported for ``impl`` (observed in this process: the verifier is what is tested)."""
+    records = {}
+    for key in calls:
+        hidden = 7 if key.endswith("/1") else None
+        records[key] = checks.observe(checks.get("first_fit"), impl, hidden, detect=False)
+    return {"records": records, "cells": {}, "kills": [], "refused": [], "threads": [], **extra}
+
+
+def graded(learner_src, ev):
+    sub = copy.deepcopy(SOURCE_FF)
+    sub["cells"][1]["source"] = learner_src
+    job = build_job(SOURCE_FF, sub, "01")
+    found = scan_notebook([(c["index"], c["source"], c["learner"]) for c in job["cells"]])
+    return score(SOURCE_FF, job, found, ev)
+
+
+def test_the_module_comes_from_the_sources_solution_cells_whatever_the_submission_says():
+    sub = copy.deepcopy(SOURCE_FF)
+    sub["cells"][0]["source"] = "import os  # a locked cell edited"
+    sub["cells"][1]["source"] = "def first_fit(h, s):\n    return 0\n"
+    sub["cells"][1]["metadata"]["nbgrader"]["solution"] = False  # re-marked: still the learner's code
+    sub["cells"].insert(2, code("first_fit = None  # an added cell"))
+    cells = nbk.module_cells(SOURCE_FF, sub)
+    assert [(c["grade_id"], c["learner"]) for c in cells] == [("setup", False), ("first_fit", True)]
+    assert cells[0]["source"].startswith("from tinypaged.course.checks import check")
+    assert "return 0" in cells[1]["source"]
+    del sub["cells"][1]  # a lost solution cell comes back as the stub
+    assert nbk.STUB in nbk.module_cells(SOURCE_FF, sub)[1]["source"]
+
+
+def test_verifier_scores_observations_against_its_own_expectations():
+    rep = graded("def first_fit(h, s): ...", evidence())
     assert (rep["score"], rep["max_score"]) == (2.0, 2.0) and rep["tests"][0]["status"] == checks.PASS
-
-    forged = json.loads(json.dumps(good))  # the kernel claims success but observed wrong answers
-    for out in forged["cells"][2]["outputs"]:
-        for o in out["data"][checks.RECORD_MIME]["outcomes"]:
+    forged = evidence()
+    for rec in forged["records"].values():  # the probe claims outcomes a first fit never gives
+        for o in rec["outcomes"]:
             for step in o["steps"]:
-                step[1] = -1  # never a first-fit answer
-    forged["cells"][2]["outputs"].append({"output_type": "stream", "name": "stdout", "text": "check first_fit: PASS"})
-    assert verify(forged)["score"] == 0.0
+                step[1] = -1
+    assert graded("def first_fit(h, s): ...", forged)["score"] == 0.0
 
 
-def test_verifier_gives_partial_credit_by_case_weight():
-    half = executed("def first_fit(h, s): ...", [observed("first_fit", ff)])  # the hidden record is missing
-    row = verify(half)["tests"][0]
-    assert 0 < row["score"] < 2 and "no result was recorded" in row["message"]
+def test_verifier_gives_partial_credit_and_names_a_killed_check():
+    ev = evidence(calls=("test_ff/0",), kills=[{"call": "test_ff/1", "case": 0, "why": "ran past its CPU-time budget"}])
+    row = graded("def first_fit(h, s): ...", ev)["tests"][0]
+    assert 0 < row["score"] < 2 and "CPU-time budget" in row["message"]
 
 
-def test_verifier_zeroes_reuse_and_everything_after_tampering():
-    src = "from tinypaged.contiguous import first_fit"
-    rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
+def test_verifier_zeroes_reuse_runtime_reuse_refusals_and_everything_after_tampering():
+    rep = graded("from tinypaged.contiguous import first_fit", evidence())
     assert rep["score"] == 0 and "reference implementation tinypaged.contiguous.first_fit" in rep["tests"][0]["message"]
-    src = "import tinypaged.course.checks as c\nc.evaluate = None\ndef first_fit(h, s): ..."
-    rep = verify(executed(src, [observed("first_fit", ff), observed("first_fit", ff, 7)]))
-    assert rep["score"] == 0 and "touches the grader" in rep["tests"][0]["message"]
+    rep = graded("import tinypaged.course.checks as c\nc.evaluate = None\ndef first_fit(h, s): ...", evidence())
+    assert rep["score"] == 0 and "grader" in rep["tests"][0]["message"]
+    ev = evidence()
+    ev["records"]["test_ff/0"]["reuse"] = "first_fit calls the package's own first_fit"
+    rep = graded("def first_fit(h, s): ...", ev)
+    assert 0 < rep["tests"][0]["score"] < 2  # the hidden part still counts
+    assert coursework.status(rep) == "FLAGGED" and "at run time" in coursework.summary(rep)  # on its line
+    ev = evidence(refused=["test_ff/1: cell_001_learner, line 2: sys._getframe()"])
+    row = graded("def first_fit(h, s): ...", ev)["tests"][0]
+    assert 0 < row["score"] < 2 and "refused" in row["message"]
 
 
 def test_verdicts_are_written_in_nbgraders_language():
-    rep = verify(executed("def first_fit(h, s): ...", [observed("first_fit", ff)]))
-    out = apply_to_notebook(executed("def first_fit(h, s): ...", []), rep)["cells"][2]["outputs"]
-    assert out[0]["output_type"] == "stream" and out[-1]["output_type"] == "execute_result"
+    rep = graded("def first_fit(h, s): ...", evidence(calls=("test_ff/0",)))
+    ran = copy.deepcopy(SOURCE_FF)  # the kernel printed something and claimed an error-free full score
+    ran["cells"][2]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "your engine: ...\n"},
+                                  {"output_type": "execute_result", "data": {"text/plain": "2"}, "metadata": {}}]
+    out = apply_to_notebook(ran, rep, SOURCE_FF)["cells"][2]["outputs"]
+    assert out[0]["text"] == "your engine: ...\n"  # kept as feedback
+    assert [o["output_type"] for o in out[1:]] == ["stream", "execute_result"]  # the verdict, not the kernel's claim
     assert 0 < float(out[-1]["data"]["text/plain"]) < 2
-    rep = verify(executed("def first_fit(h, s): ...", []))
-    out = apply_to_notebook(executed("def first_fit(h, s): ...", []), rep)["cells"][2]["outputs"]
+    rep = graded("def first_fit(h, s): ...", evidence(calls=()))
+    lost = copy.deepcopy(SOURCE_FF)
+    del lost["cells"][2]  # the submission lost its test cell: it comes back, scored
+    out = apply_to_notebook(lost, rep, SOURCE_FF)["cells"][-1]["outputs"]
     assert out[-1]["output_type"] == "error"
+
+
+@pytest.mark.parametrize("src", [
+    "import sys", "import os", "import threading", "import gc", "from importlib import import_module",
+    "f = check.__globals__", "x = getattr(torch, name)", "open('/etc/passwd')", "t = torch.sys",
+    "y = (1).__class__.__base__.__subclasses__()", "s = '__glob' 'als__'", "exec('1')",
+])
+def test_solution_cells_are_read_strictly(src):
+    assert any(f.kind == "tamper" for f in scan(src)), src

@@ -4,18 +4,19 @@
     python -m tinypaged.course check             # fail if exercises/ drifted from solutions/
     python -m tinypaged.course lint              # check the solution notebooks' nbgrader metadata
     python -m tinypaged.course release           # the nbgrader course: source/ and release/ under course/
-    python -m tinypaged.course grade NB... [--json] [--csv FILE]
+    python -m tinypaged.course grade NB... [--json] [--csv FILE] [--feedback DIR] [--unsafe-no-sandbox]
 
 ``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
 :mod:`tinypaged.course.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
 scratch course and copies the released notebook to ``exercises/``: solution regions become
 ``raise NotImplementedError("not implemented yet")``, hidden tests and outputs are removed, cells are locked.
 
-``grade`` is the quick path without a gradebook: each notebook is rebuilt around the instructor's
-locked and test cells (its stage comes from ``metadata.tinypaged.stage``, not the file name), run
-in its own kernel in a subprocess with per-cell and per-notebook time limits, and scored by
-:mod:`tinypaged.course.grading.verify` in this process. Exit status 0 only if every notebook gets every
-autograded point.
+``grade`` is the quick path without a gradebook: each notebook (its stage comes from
+``metadata.tinypaged.stage``, not the file name) is graded by :func:`tinypaged.course.grading.verify.grade`
+(the learner's code extracted by the instructor's ``grade_id`` and checked in a sandboxed process, the
+verdicts judged here), then run in a sandboxed kernel for the learner's feedback. It refuses to run
+without bubblewrap unless told ``--unsafe-no-sandbox``. Exit status 0 only if every notebook gets every
+automatic point (2: no sandbox).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -186,12 +188,48 @@ def lint_notebook(path: Path) -> list[str]:
 
 # ---------------------------------------------------------------- grading
 
-def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeout: int = 120,
-                   notebook_timeout: int = 900) -> dict:
-    """Run and score one submitted notebook; the report of :func:`tinypaged.course.grading.verify.verify`."""
-    from tinypaged.course.grading.execute import run_notebook
-    from tinypaged.course.grading.verify import verify
+def hidden_paths(submissions: list[Path] = ()) -> list[Path]:
+    """What no submission may read: the answers, the course (gradebook, source/, every submission) and the
+    notebooks being graded (their folder, or the files themselves when that folder holds the package)."""
+    paths = [ROOT / "solutions", ROOT / "instructor", ROOT / "course", ROOT / ".git"]
+    for env in ("TINYPAGED_COURSE", "TINYPAGED_EXCHANGE"):
+        if os.environ.get(env):
+            paths.append(Path(os.environ[env]))
+    try:
+        paths.append(course_root())
+    except Exception:  # nbgrader_config.py unreadable: the defaults above still hold
+        pass
+    folders = [Path(sub).resolve().parent for sub in submissions]
+    for sub, folder in zip(submissions, folders):
+        paths.append(Path(sub).resolve() if folder in ROOT.parents or folder == ROOT else folder)
+    if len(folders) > 1:  # submissions/<student>/...: the folder that holds them all (its names too)
+        common = Path(os.path.commonpath(folders))
+        if common not in (Path("/"), Path("/tmp"), Path.home()) and common != ROOT and common not in ROOT.parents:
+            paths.append(common)
+    return [p.resolve() for p in paths]
 
+
+def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1800, memory_gb: float = 8.0):
+    """``scratch -> Sandbox``: the recipe every sandboxed run of one submission uses."""
+    from tinypaged.course.grading.sandbox import Sandbox
+
+    return lambda scratch: Sandbox(scratch, hide=list(hide), cpu_seconds=cpu_seconds,
+                                   memory_bytes=int(memory_gb * (1 << 30)), unsafe=unsafe)
+
+
+def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: bool = False,
+                   execute: bool = True, feedback: Path | None = None, cell_timeout: int = 600,
+                   cpu_timeout: int = 300, notebook_timeout: int = 7200, idle: float = 120.0,
+                   hide: list[Path] = ()) -> dict:
+    """Grade one submitted notebook (:func:`tinypaged.course.grading.verify.grade`), then run it for the
+    learner's feedback (no grade is taken from that run); the report as a dict."""
+    import time
+
+    from tinypaged.course.grading import verify
+    from tinypaged.course.grading.execute import run_notebook
+    from tinypaged.course.grading.sandbox import SandboxUnavailable
+
+    t0 = time.monotonic()
     report: dict = {"notebook": str(path), "score": 0.0, "max_score": 0.0, "tests": [], "errors": [],
                     "findings": [], "manual": [], "manual_points": 0.0}
     try:
@@ -204,11 +242,62 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", cell_timeou
     except (ValueError, FileNotFoundError) as e:
         report["error"] = str(e)
         return report
-    executed = run_notebook(nbk.assemble(source, sub), cell_timeout, notebook_timeout, cwd=ROOT)
-    report.update(verify(executed))
-    report.update(notebook=str(path), stage=stage, source=str(source_path.relative_to(solutions.parent))
+    make = sandbox_factory([*hidden_paths([path]), Path(solutions), *hide], unsafe)
+    try:
+        report.update(verify.grade(source, sub, stage, make, cell_cpu=cpu_timeout, check_cpu=cpu_timeout,
+                                   idle_s=idle))
+        if execute:
+            executed = run_notebook(nbk.assemble(source, sub), make, cell_timeout, notebook_timeout, cpu_timeout)
+            stopped = executed.get("metadata", {}).get("tinypaged", {}).get("stopped")
+            if stopped:
+                report["findings"].append(dict(kind="killed", cell=stopped.get("cell"), line=0, checks=[],
+                                               what=f"feedback run: {stopped['why']}", counted=False))
+            if feedback is not None:  # named after the folder too: every submission may be called NN_name.ipynb
+                out = Path(feedback) / f"{Path(path).resolve().parent.name}-{Path(path).stem}.html"
+                write_feedback(executed, report, source, out)
+                report["feedback"] = str(out)
+    except SandboxUnavailable as e:
+        report["error"] = str(e)
+    except Exception as e:  # grading itself failed: an error on the submission's line, never a silent 0
+        report["error"] = f"grading failed: {type(e).__name__}: {e}"
+    report.update(notebook=str(path), stage=stage, seconds=round(time.monotonic() - t0, 1),
+                  source=str(source_path.relative_to(solutions.parent))
                   if source_path.is_relative_to(solutions.parent) else str(source_path))
     return report
+
+
+def write_feedback(executed: dict, report: dict, source: dict, path: Path) -> None:
+    """The learner's notebook as HTML: their outputs, each test cell's verified verdict, hidden tests removed."""
+    import copy
+
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    from tinypaged.course.grading.verify import apply_to_notebook
+
+    nb = apply_to_notebook(copy.deepcopy(executed), report, source)
+    for cell in nb["cells"]:
+        if nbk.is_test(cell):
+            cell["source"] = re.sub(rf"\n?{nbk.BEGIN_HIDDEN}.*?{nbk.END_HIDDEN}\n?", "\n", nbk.source_of(cell),
+                                    flags=re.S)
+    nb["cells"].insert(0, {"cell_type": "markdown", "metadata": {}, "source": "```\n" + format_report(report) + "\n```"})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body, _ = HTMLExporter().from_notebook_node(nbformat.from_dict(nb))
+    path.write_text(body)
+
+
+def summary(r: dict) -> str:
+    """One line for the findings of a report (tampering, reuse, killed runs, refusals): "" when clean."""
+    parts = []
+    if r.get("error"):
+        parts.append(f"AUTOGRADE FAILED: {r['error']}")
+    for f in r.get("findings", []):
+        if f.get("counted") or f["kind"] == "killed":
+            where = f"cell {f['cell']}, line {f['line']}: " if f.get("cell") is not None and f.get("line") else \
+                (f"cell {f['cell']}: " if f.get("cell") is not None else "")
+            what = f"uses the package's {f['what']}" if f["kind"] == "reuse" and not f.get("runtime") else f["what"]
+            parts.append(f"{f['kind']}: {where}{what}")
+    return "; ".join(dict.fromkeys(parts))
 
 
 def format_report(r: dict) -> str:
@@ -216,7 +305,8 @@ def format_report(r: dict) -> str:
 
     lines = [f"{r['notebook']}: {r['score']:g}/{r['max_score']:g}"]  # scripts/gpu_check.sh greps this line
     if r.get("stage"):
-        lines.append(f"  stage {r['stage']}, graded against {r.get('source', '?')}")
+        lines.append(f"  stage {r['stage']}, graded against {r.get('source', '?')}"
+                     + (f" in {r['seconds']:g} s" if r.get("seconds") is not None else ""))
     if r.get("error"):
         lines.append(f"  ERROR {r['error']}")
     for t in r["tests"]:
@@ -224,24 +314,36 @@ def format_report(r: dict) -> str:
     for e in r["errors"]:
         lines.append(f"  your cell {e['grade_id'] or e['cell']} raised {e['error']}")
     for f in r["findings"]:
-        if f.get("counted"):
-            what = f"uses the package's reference implementation {f['what']}" if f["kind"] == "reuse" else f["what"]
-            lines.append(f"  {f['kind']}: cell {f['cell']}, line {f['line']}: {what}")
+        if f.get("counted") or f["kind"] == "killed":
+            what = f"uses the package's reference implementation {f['what']}" \
+                if f["kind"] == "reuse" and not f.get("runtime") else f["what"]
+            where = f"cell {f['cell']}, line {f['line']}: " if f.get("line") else ""
+            lines.append(f"  {f['kind']}: {where}{what}")
     if r.get("manual_points"):
-        lines.append(f"  + {r['manual_points']:g} points of written answers, graded by hand")
+        lines.append(f"  + {r['manual_points']:g} points of written answers, graded by hand (not in the score above)")
     return "\n".join(lines)
 
 
+CSV_FIELDS = ["notebook", "stage", "auto_score", "auto_max", "written_max", "status", "findings", "seconds"]
+
+
 def write_csv(reports: list[dict], path: Path) -> None:
+    """One row per submission: automatic points apart from the written ones (graded by hand), a status
+    (PASS, FAIL, FLAGGED when something was found, ERROR when grading failed) and every finding on the row."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["notebook", "stage", "grade_id", "score", "max_score", "status", "message"])
+        w.writerow(CSV_FIELDS)
         for r in reports:
-            for t in r["tests"]:
-                w.writerow([r["notebook"], r.get("stage"), t["grade_id"], t["score"], t["points"], t["status"],
-                            t["message"]])
-            w.writerow([r["notebook"], r.get("stage"), "TOTAL", r["score"], r["max_score"],
-                        "PASS" if _complete(r) else "FAIL", r.get("error", "")])
+            w.writerow([r["notebook"], r.get("stage"), f"{r['score']:g}", f"{r['max_score']:g}",
+                        f"{r.get('manual_points', 0):g}", status(r), summary(r), r.get("seconds", "")])
+
+
+def status(r: dict) -> str:
+    if r.get("error"):
+        return "ERROR"
+    if any(f.get("counted") for f in r.get("findings", [])):
+        return "FLAGGED"
+    return "PASS" if _complete(r) else "FAIL"
 
 
 def _complete(r: dict) -> bool:
@@ -261,9 +363,20 @@ def main(argv=None) -> int:
     g = sub.add_parser("grade", help="run and score submitted notebooks, each in its own kernel")
     g.add_argument("notebooks", nargs="+", type=Path)
     g.add_argument("--json", action="store_true", help="print the reports as JSON")
-    g.add_argument("--csv", type=Path, help="also write one row per test cell to this CSV file")
-    g.add_argument("--timeout", type=int, default=120, help="seconds per cell (default 120)")
-    g.add_argument("--notebook-timeout", type=int, default=900, help="seconds per notebook (default 900)")
+    g.add_argument("--csv", type=Path, help="also write one row per submission to this CSV file")
+    g.add_argument("--feedback", type=Path, help="write each learner's notebook as HTML feedback into this folder")
+    g.add_argument("--cpu-timeout", type=int, default=300,
+                   help="CPU seconds per cell and per check (default 300; CPU time, so load does not trip it)")
+    g.add_argument("--timeout", type=int, default=600,
+                   help="seconds a cell of the feedback run may go without using the CPU (a hang; default 600)")
+    g.add_argument("--idle", type=float, default=120.0,
+                   help="stop a check that uses no CPU for this many seconds (default 120)")
+    g.add_argument("--notebook-timeout", type=int, default=7200,
+                   help="wall seconds per feedback run, a last resort (default 7200)")
+    g.add_argument("--no-execute", action="store_true",
+                   help="grade only: skip the feedback run of the notebook (the grade never comes from it)")
+    g.add_argument("--unsafe-no-sandbox", action="store_true",
+                   help="grade without bubblewrap: the submissions can read the answers and write anywhere you can")
     g.add_argument("--solutions", type=Path, default=ROOT / "solutions", help="the instructor's notebooks")
     g.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (default 1)")
     args = ap.parse_args(argv)
@@ -301,9 +414,25 @@ def main(argv=None) -> int:
 
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own subprocess and kernel
-        reports = list(pool.map(lambda nb: grade_notebook(nb, args.solutions, args.timeout, args.notebook_timeout),
-                                args.notebooks))
+    from tinypaged.course.grading.sandbox import UNSAFE_WARNING, bwrap
+
+    if args.unsafe_no_sandbox:
+        print(UNSAFE_WARNING, file=sys.stderr)
+    elif bwrap() is None:
+        from tinypaged.course.grading.sandbox import INSTALL_HINT
+
+        print(f"refusing to grade: no sandbox (bwrap not found; {INSTALL_HINT}). "
+              "--unsafe-no-sandbox grades without one.", file=sys.stderr)
+        return 2
+
+    def one(nb):
+        return grade_notebook(nb, args.solutions, unsafe=args.unsafe_no_sandbox, execute=not args.no_execute,
+                              feedback=args.feedback, cell_timeout=args.timeout, cpu_timeout=args.cpu_timeout,
+                              notebook_timeout=args.notebook_timeout, idle=args.idle,
+                              hide=hidden_paths(args.notebooks))
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own sandboxed processes
+        reports = list(pool.map(one, args.notebooks))
     if args.csv:
         write_csv(reports, args.csv)
     if args.json:

@@ -12,10 +12,86 @@ show the stage's mechanism was exercised (prefix-cache hits, preemptions, ...): 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import types
 
 from tinypaged.course.checks import Case, register
 
 MODEL = "smollm2-135m"
+CALLED = "the engine called every plug-in of your notebook"
+PROBE_ENV = "TINYPAGED_PROBE"  # set in the grader's checks' process, which prints nothing for the learner
+
+
+def _owner_module(value) -> str:
+    owner = value if isinstance(value, (type, types.FunctionType, types.MethodType)) else type(value)
+    return getattr(owner, "__module__", "") or ""
+
+
+def check_plugins(impl) -> None:
+    """The plug-ins must be the notebook's own: an empty dict (the engine would fall back to its own parts)
+    or a plug-in defined in the package earns nothing."""
+    if not isinstance(impl, dict):
+        raise TypeError("pass the engine's plug-ins as a dict of LLM keyword arguments")
+    if not impl:
+        raise ValueError("plugins names no plug-in: the engine would serve with its own parts, not yours")
+    for key, value in impl.items():
+        mod = _owner_module(value)
+        if mod.startswith("tinypaged"):
+            raise ValueError(f"plug-in {key} is the package's own ({mod}.{getattr(value, '__qualname__', '')}), "
+                             "not built in your notebook")
+
+
+def _counting(obj, key: str, counts: dict):
+    """Count calls to ``obj``'s public methods (an instance) into ``counts[key]``; returns ``obj``."""
+    for name, attr in inspect.getmembers(type(obj)):
+        if name.startswith("_") or not isinstance(inspect.getattr_static(type(obj), name), types.FunctionType):
+            continue
+        bound = getattr(obj, name)
+
+        def call(*a, _f=bound, **k):
+            counts[key] += 1
+            return _f(*a, **k)
+
+        setattr(obj, name, call)
+    return obj
+
+
+def counted_plugins(impl: dict) -> tuple[dict, dict]:
+    """The same plug-ins, each counting the calls the engine makes into it: (plug-ins, counts)."""
+    counts = {key: 0 for key in impl}
+    out = {}
+    for key, value in impl.items():
+        if isinstance(value, type) and key == "kv_cache_manager":
+            out[key] = lambda spec, _c=value, _k=key: _counting(_c(spec), _k, counts)
+        elif isinstance(value, type):
+            out[key] = _counting(value(), key, counts)
+        elif isinstance(value, types.FunctionType) and not (hasattr(value, "decode") or hasattr(value, "write")):
+            @functools.wraps(value)
+            def fn(*a, _f=value, _k=key, **k):
+                counts[_k] += 1
+                return _f(*a, **k)
+
+            out[key] = fn
+        elif hasattr(value, "decode") or hasattr(value, "write"):
+            out[key] = _counting(value, key, counts)
+        else:
+            out[key] = value
+    return out, counts
+
+
+def show_payoff(prompts, outs, max_tokens: int, counts: dict) -> None:
+    """What the learner sees under the serving cell: their engine's text beside transformers', and how
+    many calls went through their code."""
+    from tinypaged.model_loader import load_tokenizer
+
+    tok = load_tokenizer(MODEL)
+    want = hf_greedy(tuple(prompts), max_tokens)
+    for p, o, ref in zip(prompts, outs, want):
+        mine = list(o.outputs[0].token_ids)
+        same = "same tokens" if mine == list(ref) else "DIFFERENT tokens"
+        print(f"{p!r}\n  your engine : {tok.decode(mine)!r}\n  transformers: {tok.decode(list(ref))!r}  ({same})")
+    print("calls through your code: " + ", ".join(f"{k} {n}" for k, n in counts.items()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,21 +136,25 @@ def serving_check(stage: str, name: str, prompts: tuple[str, ...], max_tokens: i
     def run(impl, t):
         from tinypaged import LLM, SamplingParams
 
-        if not isinstance(impl, dict):
-            raise TypeError("pass the engine's plug-ins as a dict of LLM keyword arguments")
+        check_plugins(impl)
         if preflight is not None:
             preflight(impl)
-        llm = LLM(MODEL, **engine_kwargs, **impl)
+        plugins, counts = counted_plugins(impl)
+        llm = LLM(MODEL, **engine_kwargs, **plugins)
         outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         for p, o in zip(prompts, outs):
             t(f"greedy tokens for {p!r}", list(o.outputs[0].token_ids))
         for desc, fact in facts:
             t(desc, bool(fact(llm, outs)))
+        t(CALLED, all(n > 0 for n in counts.values()))
+        if os.environ.get(PROBE_ENV) != "1":
+            show_payoff(prompts, outs, max_tokens, counts)
 
     def expected(hidden):
         tokens = hf_greedy(tuple(prompts), max_tokens)
         steps = [[f"greedy tokens for {p!r}", list(tk)] for p, tk in zip(prompts, tokens)]
         steps += [[desc, True] for desc, _ in facts]
+        steps.append([CALLED, True])
         return [{"steps": steps}]
 
     def cases(hidden):

@@ -177,8 +177,11 @@ def cases_reshape_and_cache(hidden):
             t(f"{tokens} tokens into {blocks} blocks of {bs}, slots {slots.tolist()}: the key cache", kc)
             t("the value cache", vc)
             t("what reshape_and_cache returns (nothing: it writes in place)", result)
-        return Case(label, run, "slot s is row s % block_size of block s // block_size; slot -1 writes nothing",
-                    tol=0.0)
+        hint = "slot s is row s % block_size of block s // block_size; slot -1 writes nothing"
+        if pad:  # an unmasked store of slot -1 writes before the cache: in a kernel that corrupts memory
+            hint += (" (mask the store with slot >= 0: an unmasked slot -1 writes out of bounds, which "
+                     "crashes the process with 'corrupted double-linked list' or a segfault)")
+        return Case(label, run, hint, tol=0.0)
 
     if hidden is None:
         return [one("one block", 0, 3, 2, 4, 1, 8), one("GQA heads, several blocks", 1, 7, 4, 4, 2, 8),

@@ -1,35 +1,217 @@
-"""nbgrader preprocessor: replace the kernel's own test-cell verdicts with verified ones.
+"""nbgrader's ``autograde`` with the quick grader's protection (configured in ``nbgrader_config.py``).
 
-nbgrader scores a test cell by its outputs (an error: 0; a number: partial credit; else full), and
-those outputs come from the learner's kernel, which the learner's code controls. ``VerifyChecks``
-runs right after ``Execute`` (see ``nbgrader_config.py``): it scores the executed notebook with
-:func:`tinypaged.course.grading.verify.verify` in nbgrader's process and rewrites every test cell's outputs
-so nbgrader's rule yields the verified score.
+* :class:`SandboxedExecute` replaces nbgrader's ``Execute``: the submission runs in a kernel inside the
+  sandbox (:mod:`~tinypaged.course.grading.sandbox`), never in nbgrader's own environment, so it cannot
+  read ``source/``, the gradebook or other submissions, nor write anything but its scratch directory.
+  That run is the learner's feedback only.
+* :class:`VerifyChecks` grades the submission as the quick grader does
+  (:func:`tinypaged.course.grading.verify.grade`: the learner's code extracted by the instructor's
+  ``grade_id``, the checks in a sandboxed probe, the verdicts computed here) and writes the verdicts into
+  the test cells so nbgrader's own rule (an error: 0; a number: partial credit) stores them. If grading
+  itself fails, every test cell gets 0 and the submission is flagged (never a silent 0.0).
+* :class:`RecordFindings` (after ``SaveAutoGrades``) puts one line per submission into the gradebook:
+  the comment of the notebook's first graded cell says what was found (tampering, reuse, a killed run,
+  an autograde failure), and the submitted notebook is flagged for a human to look at.
+* :class:`TinypagedCsvExport` (``nbgrader export``) writes one row per student and assignment with the
+  automatic and the written points apart, the status and that findings line.
+
+The instructor's notebook comes from the course's ``source/<assignment>/<notebook>.ipynb`` (the same
+files ``generate_assignment`` released), else from ``solutions/`` by the notebook's stage.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from nbformat import from_dict
+from nbgrader.plugins import ExportPlugin
 from nbgrader.preprocessors import NbGraderPreprocessor
+from traitlets import Float, Integer
+
+FINDINGS_PREFIX = "tinypaged grading: "
+
+
+def _course_paths(resources) -> tuple[Path, str, str]:
+    meta = resources.get("nbgrader", {})
+    autograded = Path(resources.get("metadata", {}).get("path", "."))  # <course>/autograded/<student>/<assignment>
+    return autograded.resolve().parents[2], meta.get("assignment", ""), meta.get("notebook", "")
+
+
+def _source(resources, nb) -> tuple[dict, str]:
+    from tinypaged.course import coursework
+    from tinypaged.course.grading import notebook as nbk
+
+    course, assignment, notebook = _course_paths(resources)
+    src = course / "source" / assignment / f"{notebook}.ipynb"
+    if not src.exists():
+        stage = nbk.stage_of(nb, Path(f"{notebook}.ipynb"))
+        if stage is None:
+            raise FileNotFoundError(f"no source notebook for {assignment}/{notebook}")
+        src = nbk.source_for_stage(stage, coursework.ROOT / "solutions")
+    source = nbk.read(src)
+    return source, nbk.stage_of(source, src) or ""
+
+
+def _sandbox(resources):
+    from tinypaged.course import coursework
+
+    course, _, _ = _course_paths(resources)
+    return coursework.sandbox_factory([*coursework.hidden_paths(), course])
+
+
+class SandboxedExecute(NbGraderPreprocessor):
+    """Run the submission for feedback, in the sandbox (nbgrader's ``Execute`` would run it unprotected)."""
+
+    timeout = Integer(600, help="seconds a cell may go without using the CPU (a hang) before its kernel is stopped"
+                      ).tag(config=True)
+    cpu_timeout = Integer(300, help="CPU seconds per cell").tag(config=True)
+
+    def preprocess(self, nb, resources):
+        from tinypaged.course.grading import notebook as nbk
+        from tinypaged.course.grading.execute import run_notebook
+
+        plain = json.loads(json.dumps(nb))
+        try:
+            source, _ = _source(resources, plain)
+            run = nbk.assemble(source, plain)
+            executed = run_notebook(run, _sandbox(resources), self.timeout, 7200, self.cpu_timeout)
+        except Exception as e:  # grading still happens (VerifyChecks); the feedback says why it is missing
+            self.log.error("tinypaged: the feedback run failed: %s", e)
+            resources.setdefault("tinypaged", {})["feedback_error"] = str(e)
+            return nb, resources
+        outputs = {nbk.grade_id(c): c for c in executed["cells"] if nbk.grade_id(c)}
+        for cell in nb.cells:
+            gid = nbk.grade_id(cell)
+            if cell.cell_type == "code" and gid in outputs:
+                cell.outputs = [from_dict(o) for o in outputs[gid].get("outputs", [])]
+        stopped = executed.get("metadata", {}).get("tinypaged", {}).get("stopped")
+        if stopped:
+            resources.setdefault("tinypaged", {})["feedback_stopped"] = stopped
+        return nb, resources
 
 
 class VerifyChecks(NbGraderPreprocessor):
+    cpu_timeout = Integer(300, help="CPU seconds per learner cell and per check").tag(config=True)
+    idle = Float(120.0, help="stop a check that uses no CPU for this many seconds").tag(config=True)
+
     def preprocess(self, nb, resources):
-        from tinypaged.course.grading.verify import apply_to_notebook, verify
+        from tinypaged.course import checks
+        from tinypaged.course.grading import notebook as nbk
+        from tinypaged.course.grading.verify import apply_to_notebook, grade
 
         plain = json.loads(json.dumps(nb))
-        report = verify(plain)
-        for row in report["tests"]:
-            self.log.info("%s: %s/%s %s %s", row["grade_id"], row["score"], row["points"], row["status"],
-                          row["message"])
-        for f in report["findings"]:
-            if f.get("counted"):
-                self.log.warning("%s in cell %s line %s: %s", f["kind"], f["cell"], f["line"], f["what"])
-        apply_to_notebook(plain, report)
-        for cell, new in zip(nb.cells, plain["cells"]):
-            if cell.cell_type == "code":
-                cell.outputs = [from_dict(o) for o in new["outputs"]]
+        source = None
+        try:
+            source, stage = _source(resources, plain)
+            report = grade(source, plain, stage, _sandbox(resources), self.cpu_timeout, self.cpu_timeout, self.idle)
+        except Exception as e:  # a failed autograde is flagged with its reason, never a silent 0
+            self.log.error("tinypaged: autograde failed: %s", e)
+            report = {"error": f"{type(e).__name__}: {e}", "score": 0.0, "max_score": 0.0, "findings": [],
+                      "manual_points": 0.0, "errors": [],
+                      "tests": [{"grade_id": nbk.grade_id(c), "cell": i, "points": nbk.points(c), "score": 0.0,
+                                 "status": checks.FAIL, "message": f"autograde failed: {e}", "checks": []}
+                                for i, c in enumerate((source or plain)["cells"]) if nbk.is_test(c)]}
+        stopped = resources.get("tinypaged", {}).get("feedback_stopped")
+        if stopped:
+            report["findings"].append(dict(kind="killed", cell=stopped.get("cell"), line=0, checks=[],
+                                           what=f"feedback run: {stopped['why']}", counted=False))
+        apply_to_notebook(plain, report, source or plain)
+        by_id = {nbk.grade_id(c): c for c in plain["cells"] if nbk.grade_id(c)}
+        graded = {r["grade_id"] for r in report["tests"]}  # the source's test cells, whatever the metadata says
+        for cell in nb.cells:
+            gid = nbk.grade_id(cell)
+            if cell.cell_type == "code" and gid in graded and gid in by_id:
+                cell.outputs = [from_dict(o) for o in by_id[gid]["outputs"]]
+        present = {nbk.grade_id(c) for c in nb.cells}
+        for extra in plain["cells"][len(nb.cells):]:  # test cells the submission lost, restored with their verdicts
+            if nbk.grade_id(extra) not in present:
+                nb.cells.append(from_dict(extra))
         resources.setdefault("tinypaged", {})["report"] = report
         return nb, resources
+
+
+class RecordFindings(NbGraderPreprocessor):
+    """One line per submission in the gradebook for every finding, and the notebook flagged."""
+
+    def preprocess(self, nb, resources):
+        from nbgrader.api import Gradebook
+
+        from tinypaged.course import coursework
+        from tinypaged.course.grading import notebook as nbk
+
+        report = resources.get("tinypaged", {}).get("report")
+        if report is None:
+            return nb, resources
+        line = coursework.summary(report)
+        meta = resources["nbgrader"]
+        first = next((nbk.grade_id(c) for c in nb.cells if nbk.grade_id(c) and nbk.is_solution(c)), None)
+        with Gradebook(meta["db_url"]) as gb:
+            sub = gb.find_submission_notebook(meta["notebook"], meta["assignment"], meta["student"])
+            sub.flagged = bool(line)
+            if first is not None:
+                try:
+                    comment = gb.find_comment(first, meta["notebook"], meta["assignment"], meta["student"])
+                    comment.auto_comment = FINDINGS_PREFIX + (line or "nothing found") + \
+                        f" (automatic {report['score']:g}/{report['max_score']:g}; written answers graded by hand)"
+                except Exception:  # no comment row for that cell: the flag still marks the submission
+                    pass
+            gb.db.commit()
+        if line:
+            self.log.warning("tinypaged: %s: %s", meta["student"], line)
+        return nb, resources
+
+
+class TinypagedCsvExport(ExportPlugin):
+    """nbgrader's CSV plus the automatic and written points apart, the status and the findings line."""
+
+    def export(self, gradebook) -> None:
+        import csv
+
+        dest = self.to or "grades.csv"
+        fields = ["assignment", "student_id", "auto_score", "auto_max", "written_score", "written_max", "score",
+                  "max_score", "status", "findings"]
+        with open(dest, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(fields)
+            for assignment in gradebook.assignments:
+                if self.assignment and assignment.name not in self.assignment:
+                    continue
+                for student in gradebook.students:
+                    if self.student and student.id not in self.student:
+                        continue
+                    w.writerow(self._row(gradebook, assignment, student))
+
+    @staticmethod
+    def _row(gb, assignment, student) -> list:
+        from nbgrader.api import MissingEntry
+
+        auto_max = sum(c.max_score for nb in assignment.notebooks for c in nb.grade_cells if c.cell_type == "code")
+        written_max = sum(c.max_score for nb in assignment.notebooks for c in nb.grade_cells if c.cell_type != "code")
+        try:
+            sub = gb.find_submission(assignment.name, student.id)
+        except MissingEntry:
+            return [assignment.name, student.id, 0, _r(auto_max), "", _r(written_max), 0, _r(assignment.max_score),
+                    "MISSING", ""]
+        auto = written = 0.0
+        written_done = True
+        findings, flagged = [], False
+        for snb in sub.notebooks:
+            flagged |= bool(snb.flagged)
+            for g in snb.grades:
+                if g.cell.cell_type == "code":
+                    auto += g.score or 0.0
+                else:
+                    written += g.score or 0.0
+                    written_done &= g.manual_score is not None
+            for c in snb.comments:
+                if c.auto_comment and c.auto_comment.startswith(FINDINGS_PREFIX):
+                    findings.append(c.auto_comment[len(FINDINGS_PREFIX):])
+        status = "FAILED" if any("AUTOGRADE FAILED" in f for f in findings) else "FLAGGED" if flagged else \
+            ("GRADED" if written_done else "WRITTEN ANSWERS TO GRADE")
+        return [assignment.name, student.id, _r(auto), _r(auto_max), _r(written) if written_done else "",
+                _r(written_max), _r(sub.score), _r(assignment.max_score), status, " | ".join(findings)]
+
+
+def _r(x) -> str:
+    return f"{round(float(x or 0), 2):g}"

@@ -181,3 +181,34 @@ def read(path: Path) -> dict:
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):
         raise ValueError(f"{path} is not a notebook (no cells)")
     return nb
+
+
+def _blank_magics(source: str) -> str:
+    """IPython magics and shell escapes are not Python: blank them, keeping line numbers."""
+    return "\n".join("" if re.match(r"\s*[%!]", line) else line for line in source.splitlines()) + "\n"
+
+
+def module_cells(source_nb: dict, submission_nb: dict) -> list[dict]:
+    """The learner's module, cell by cell, decided by the instructor's source alone.
+
+    In the source's order: every given (locked, not test) code cell with the instructor's code, and
+    every solution code cell with the learner's code from the submission's first code cell that carries
+    the same ``grade_id`` (the stub when there is none). Test cells are left out (the checks' process
+    makes their calls); cells the learner added and the submission's own metadata play no part, so
+    re-marking a cell, adding ``plugins = {}`` or editing a given cell changes nothing here.
+    """
+    mine: dict[str, str] = {}
+    for cell in submission_nb.get("cells", []):
+        if isinstance(cell, dict) and cell.get("cell_type") == "code":
+            gid = grade_id(cell)
+            if gid and gid not in mine:
+                mine[gid] = source_of(cell)
+    out = []
+    for i, ref in enumerate(source_nb["cells"]):
+        if ref.get("cell_type") != "code" or is_test(ref):
+            continue
+        gid = grade_id(ref)
+        learner = is_solution(ref) and not nbgrader_meta(ref).get("locked")
+        src = mine.get(gid, strip_solutions(source_of(ref))) if learner else source_of(ref)
+        out.append({"index": i, "grade_id": gid, "source": _blank_magics(src), "learner": learner})
+    return out

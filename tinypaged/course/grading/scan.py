@@ -36,6 +36,26 @@ SENSITIVE = ("sys.modules", "sys.settrace", "sys.setprofile", "sys.gettrace", "s
 SENSITIVE_CALLS = ("__import__", "exec", "eval", "compile", "get_ipython", "breakpoint")
 SENSITIVE_STRINGS = ("TINYPAGED_GRADING", "application/vnd.tinypaged")
 
+# Solution cells are read more strictly (they are what grading imports): a solution needs none of this.
+ALLOWED_IMPORTS = frozenset({
+    "math", "cmath", "collections", "itertools", "functools", "heapq", "bisect", "typing", "dataclasses", "enum",
+    "random", "statistics", "copy", "hashlib", "operator", "numbers", "fractions", "decimal", "string", "re",
+    "abc", "array", "torch", "triton", "numpy", "tinypaged", "__future__"})
+ALLOWED_DUNDERS = frozenset({
+    "__init__", "__name__", "__qualname__", "__class__", "__len__", "__iter__", "__next__", "__getitem__",
+    "__setitem__", "__delitem__", "__contains__", "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__",
+    "__hash__", "__repr__", "__str__", "__call__", "__enter__", "__exit__", "__post_init__", "__slots__",
+    "__doc__", "__bool__", "__add__", "__sub__", "__mul__", "__iadd__", "__future__", "__annotations__"})
+BANNED_NAMES = frozenset({
+    "getattr", "setattr", "delattr", "vars", "globals", "locals", "eval", "exec", "compile", "__import__",
+    "open", "breakpoint", "input", "exit", "quit", "memoryview", "__builtins__", "__loader__", "__spec__",
+    "get_ipython", "attrgetter", "methodcaller", "help", "dir"})
+BANNED_ATTRS = frozenset({
+    "sys", "os", "gc", "builtins", "importlib", "inspect", "ctypes", "subprocess", "modules", "monitoring",
+    "settrace", "setprofile", "_getframe", "f_back", "f_globals", "f_locals", "f_builtins", "f_code", "tb_frame",
+    "tb_next", "gi_frame", "cr_frame", "ag_frame", "co_code", "attrgetter", "methodcaller", "system", "popen",
+    "_current_frames", "signal", "threading", "_thread", "multiprocessing", "setrlimit", "environ"})
+
 
 @dataclass
 class Finding:
@@ -245,6 +265,41 @@ def _dedupe(found: list[Finding]) -> list[Finding]:
     return out
 
 
+def strict_findings(source: str, index: int) -> list[Finding]:
+    """What a solution cell may not do at all (the module grading imports is built from these cells)."""
+    try:
+        tree = ast.parse(_code(source))
+    except SyntaxError:
+        return []
+    found = []
+
+    def add(node, what):
+        found.append(Finding("tamper", index, getattr(node, "lineno", 0), what))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] not in ALLOWED_IMPORTS:
+                    add(node, f"imports {a.name}, which a solution cell may not use")
+        elif isinstance(node, ast.ImportFrom):
+            mod = node.module or ""
+            if node.level or mod.split(".")[0] not in ALLOWED_IMPORTS:
+                add(node, f"imports from {mod or '.'}, which a solution cell may not use")
+            elif mod.startswith(GRADER_MODULES) and any(f"{mod}.{a.name}" not in ALLOWED_GRADER_NAMES
+                                                        for a in node.names):
+                add(node, f"touches the grader ({mod})")
+        elif isinstance(node, ast.Attribute):
+            if (node.attr.startswith("__") and node.attr.endswith("__") and node.attr not in ALLOWED_DUNDERS) \
+                    or node.attr in BANNED_ATTRS:
+                add(node, f"reaches .{node.attr}, which a solution never needs")
+        elif isinstance(node, ast.Name) and node.id in BANNED_NAMES:
+            add(node, f"uses {node.id}, which a solution cell may not use")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and re.search(r"__\w+__", node.value) and not set(re.findall(r"__\w+__", node.value)) <= ALLOWED_DUNDERS:
+            add(node, "names a dunder attribute in a string")
+    return found
+
+
 def scan_notebook(cells: list[tuple[int, str, bool]], forbidden: dict[str, set[str]] | None = None) -> list[Finding]:
     """``cells``: (index, source, is the learner's) in execution order; only the learner's are judged."""
     scanner = Scanner(forbidden)
@@ -252,7 +307,7 @@ def scan_notebook(cells: list[tuple[int, str, bool]], forbidden: dict[str, set[s
     for index, source, learner in cells:
         if learner:
             binds = tuple(sorted(bound_names(source)))
-            for f in scanner.scan(source, index):
+            for f in scanner.scan(source, index) + strict_findings(source, index):
                 f.binds = binds
                 found.append(f)
         else:
