@@ -72,8 +72,8 @@ class LLMEngine:
         policy = make_policy(config)
         require(policy, POLICY_REQUIRED, "scheduling_policy")
         self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors)
-        self.input_processor = InputProcessor(config, self.vocab_size, self.kv, lambda text: self.tokenizer.encode(text),
-                                     self.clock)
+        self.input_processor = InputProcessor(config, self.vocab_size, self.kv,
+                                              lambda text: self.tokenizer.encode(text), self.clock)
         self.output_processor = OutputProcessor(Detokenizer(self.detokenize), eos_token_ids(config.model),
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
