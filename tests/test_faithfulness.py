@@ -260,3 +260,30 @@ def test_fanout_shares_the_prompt_only_through_the_prefix_cache():
     assert stats["fork", False] == stats["fork", True] == 33, "fork prefills the prompt once"
     assert stats["fanout", False] == 4 * 33, "fan-out without caching prefills it n times"
     assert stats["fanout", True] == 33 + 3 * (33 - 32), "fan-out with caching reuses the 8 full blocks"
+
+
+# -- metrics ask the KV manager, never its type --------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(kv_cache="contiguous", reservation_policy="max", kv_cache_tokens=400,
+                                     num_gpu_blocks_override=None, scheduler="static"),
+                                dict(kv_cache="paged", parallel_sampling="fork")], ids=["contiguous", "paged-fork"])
+def test_kv_waste_is_allocated_slots_minus_slots_holding_tokens(kw):
+    llm = tiny(**kw)
+    engine = llm.llm_engine
+    seen = []
+
+    def watch(step):
+        m = engine.get_metrics()
+        running = engine.scheduler.running
+        if "kv_reserved_tokens" in m:  # contiguous: reserved regions minus the written prefix of each
+            assert m["kv_waste_tokens"] == m["kv_reserved_tokens"] - m["kv_token_states"]
+        else:  # paged forks share their prompt's blocks: a shared block's slots are filled once
+            filled = {}
+            for s in running:
+                for i, b in enumerate(engine.kv.block_ids(s)):
+                    filled[b] = max(filled.get(b, 0), min(4, max(0, s.num_computed_tokens - 4 * i)))
+            assert m["kv_waste_tokens"] == m["kv_blocks_used"] * 4 - sum(filled.values())
+        seen.append(m["kv_waste_tokens"])
+
+    n = 1 if kw["kv_cache"] == "contiguous" else 2
+    llm.generate(PROMPT, SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True), on_step=watch)
+    assert max(seen) > 0 and engine.get_metrics()["kv_waste_tokens"] == 0

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from contextlib import closing
 from collections.abc import Iterator
-from collections.abc import Sequence as SequenceABC
+from contextlib import closing, contextmanager
 
 from tinypaged.config import EngineConfig
+from tinypaged.input_processor import check_batch
 from tinypaged.llm_engine import LLMEngine
 from tinypaged.outputs import RequestOutput, StreamOutput
 from tinypaged.sampling_params import SamplingParams
 
 
 class LLM:
-    """An engine plus a tokenizer. Keyword arguments are ``EngineConfig`` fields (vLLM's knob names)."""
+    """An engine plus a tokenizer. Keyword arguments are ``EngineConfig`` fields (vLLM's knob names).
+
+    One call generates at a time: ``generate``, ``chat``, ``beam_search`` and an open ``generate_stream``
+    hold the engine until they are done, and a second call meanwhile (another thread, an ``on_step``
+    callback, a call while a stream is open) raises RuntimeError before any work; the first is unharmed.
+    """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs):
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        self._busy = threading.Lock()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -27,29 +34,30 @@ class LLM:
         return self.llm_engine.get_metrics()
 
     def _next_id(self) -> str:
+        """The next free id of this LLM's counter (ids queued through the engine directly are skipped)."""
+        while str(self._counter) in self.llm_engine.requests:
+            self._counter += 1
         self._counter += 1
         return str(self._counter - 1)
 
+    @contextmanager
+    def _generating(self):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is already generating (a generate or chat call in another thread or in an "
+                               "on_step callback, or a generate_stream not yet exhausted or closed); one LLM runs one "
+                               "call at a time: wait for it, close the stream, or use a second LLM")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
     def _submit(self, prompts, sampling_params, arrival_times) -> list:
         """Tokenize and validate every request, then queue them all (nothing is queued if one is bad)."""
-        single = isinstance(prompts, (str, dict))
-        if not single and not isinstance(prompts, SequenceABC):
-            raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of "
-                            f"them; got {type(prompts).__name__}")
-        prompts = [prompts] if single else list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = sampling_params if isinstance(sampling_params, SequenceABC) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts")
-        if arrival_times is not None and len(arrival_times) != len(prompts):
-            raise ValueError(f"Got {len(arrival_times)} arrival_times for {len(prompts)} prompts")
+        prompts, params, offsets = check_batch(prompts, sampling_params, arrival_times)
         engine = self.llm_engine
         now = engine.clock()  # arrival times are offsets from now; requests already queued keep theirs
-        arrivals = [now + t for t in (arrival_times or [0.0] * len(prompts))]
-        requests = [engine.make_request(self._next_id(), p, sp, t) for p, sp, t in zip(prompts, params, arrivals)]
-        for req in requests:
-            engine.enqueue(req)
+        requests = [engine.make_request(self._next_id(), p, sp, now + t) for p, sp, t in zip(prompts, params, offsets)]
+        engine.enqueue(requests)
         return requests
 
     def _steps(self, pending: set[str]):
@@ -76,43 +84,49 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
-        """Run prompts to completion; results come back in input order.
+        """Run prompts to completion; results come back in input order (``[]`` for no prompts).
 
         Every request is validated before any work starts: a bad one raises ValueError naming it.
         ``arrival_times`` (seconds from now) replay a trace; ``on_step`` sees each StepResult.
         """
-        requests = self._submit(prompts, sampling_params, arrival_times)
-        order = {req.request_id: i for i, req in enumerate(requests)}
-        results: list[RequestOutput | None] = [None] * len(requests)
-        with closing(self._steps(set(order))) as steps:  # closing aborts what is left on any exception
-            for step in steps:
-                if on_step is not None:
-                    on_step(step)
-                for out in step.finished:
-                    if out.request_id in order:  # requests added through the engine finish here too
-                        results[order[out.request_id]] = out
-        return results
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be a function taking each StepResult, or None; got {type(on_step).__name__}")
+        with self._generating():
+            requests = self._submit(prompts, sampling_params, arrival_times)
+            order = {req.request_id: i for i, req in enumerate(requests)}
+            results: list[RequestOutput | None] = [None] * len(requests)
+            with closing(self._steps(set(order))) as steps:  # closing aborts what is left on any exception
+                for step in steps:
+                    if on_step is not None:
+                        on_step(step)
+                    for out in step.finished:
+                        if out.request_id in order:  # requests added through the engine finish here too
+                            results[order[out.request_id]] = out
+            return results
 
     def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                         arrival_times: list[float] | None = None) -> Iterator[StreamOutput]:
         """Like ``generate``, but yields a StreamOutput for every sequence that got a token in a step,
-        as soon as that step is done (the text delta is what a chat UI would append)."""
-        requests = self._submit(prompts, sampling_params, arrival_times)
-        tok = self.get_tokenizer()
-        with closing(self._steps({req.request_id for req in requests})) as steps:
-            yield from self._stream_pieces(steps, tok)
+        as soon as that step is done (the text delta is what a chat UI would append). The stream holds
+        the LLM from its first piece until it is exhausted or closed."""
+        with self._generating():
+            self.get_tokenizer()  # streams are text: a model without a tokenizer fails before anything is queued
+            requests = self._submit(prompts, sampling_params, arrival_times)
+            with closing(self._steps({req.request_id for req in requests})) as steps:
+                yield from self._stream_pieces(steps, self.llm_engine.detokenizer)
 
     @staticmethod
-    def _stream_pieces(steps, tok) -> Iterator[StreamOutput]:
+    def _stream_pieces(steps, detokenizer) -> Iterator[StreamOutput]:
         sent: dict[int, int] = {}  # seq_id -> characters already streamed
         for step in steps:
             for seq in step.sampled:
-                text, settled = _text_so_far(tok, seq)
+                text, settled = detokenizer.stream_text(seq)
                 start = sent.get(seq.seq_id, 0)
                 end = max(start, settled)
                 sent[seq.seq_id] = end
+                reason = None if seq.finish_reason is None else str(seq.finish_reason)
                 yield StreamOutput(seq.request_id, seq.index, text[start:end], [step.new_tokens[seq.seq_id]],
-                                   seq.is_finished, seq.finish_reason, seq.stop_reason)
+                                   seq.is_finished, reason, seq.stop_reason)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
@@ -125,7 +139,8 @@ class LLM:
     def beam_search(self, prompts, params):
         from tinypaged.beam_search import beam_search
 
-        return beam_search(self.llm_engine, prompts, params)
+        with self._generating():
+            return beam_search(self.llm_engine, prompts, params)
 
 
 def _wait_for_next_arrival(engine: LLMEngine) -> None:
@@ -134,19 +149,3 @@ def _wait_for_next_arrival(engine: LLMEngine) -> None:
         delay = waiting[0].times.arrival - engine.clock()
         if delay > 0:
             time.sleep(min(delay, 0.05))
-
-
-def _text_so_far(tok, seq) -> tuple[str, int]:
-    """A sequence's text and how much of it is settled: a finished one is settled (cut at its stop
-    string); a running one holds back a trailing partial UTF-8 character and, when it has stop
-    strings, the last ``len(longest stop) - 1`` characters, which a stop string may still claim."""
-    if seq.is_finished and isinstance(seq.stop_reason, str):
-        return seq.text, len(seq.text)
-    text = tok.decode(seq.output_token_ids, skip_special_tokens=True)
-    if seq.is_finished:
-        return text, len(text)
-    settled = len(text.rstrip("\ufffd"))
-    stops = seq.params.stop_strings
-    if stops:
-        settled = min(settled, len(text) - (max(map(len, stops)) - 1))
-    return text, max(settled, 0)

@@ -22,6 +22,16 @@ from tinypaged.model import head_dim_of
 logger = logging.getLogger("tinypaged")
 
 
+def memory_snapshot(device) -> tuple[int, int, int, int] | None:
+    """(free, total, torch allocated, torch reserved) bytes on a CUDA ``device``, None elsewhere. Taken
+    before the weights load: GPU sizing (``profile_free_gpu_bytes``) counts only what this engine adds
+    after it, and vLLM refuses to start when less is free than the share it was given."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return free, total, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+
+
 class ModelRunner:
     def __init__(self, model, device, backend, check_invariants: bool = False):
         self.model = model

@@ -1,4 +1,8 @@
-"""What generate() returns (vLLM's RequestOutput / CompletionOutput shapes)."""
+"""What generate() and step() return (vLLM's RequestOutput / CompletionOutput shapes).
+
+``finish_reason`` here is vLLM's plain string ("stop", "length", "abort"): ``str()`` of the
+sequence's ``FinishReason``. ``stop_reason`` is vLLM's: the stop token id, the stop string, or None.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    finish_reason: str | None  # "stop" or "length"
+    finish_reason: str | None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None
 
 
@@ -68,3 +72,26 @@ class StreamOutput:
     finished: bool
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+@dataclass
+class StepResult:
+    """What one ``LLMEngine.step()`` did: the batch it ran, the tokens it produced, what finished or
+    was preempted."""
+
+    step: int
+    scheduled: list  # the scheduler's ScheduledSeq items
+    new_tokens: dict[int, int]  # seq_id -> token sampled this step
+    preempted: list
+    finished: list[RequestOutput]
+    sampled: list = field(default_factory=list)  # sequences that got a token, as new_tokens
+
+    def trace(self) -> str:
+        """One line per step, stable across machines (ids and counts only)."""
+        parts = [f"{s.seq.request_id}:{s.kind[0]}{s.num_tokens}" for s in self.scheduled]
+        line = f"step {self.step:3d} | " + " ".join(parts)
+        if self.preempted:
+            line += " | preempted " + ",".join(s.request_id for s in self.preempted)
+        if self.finished:
+            line += " | finished " + ",".join(r.request_id for r in self.finished)
+        return line

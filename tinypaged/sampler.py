@@ -1,15 +1,16 @@
-"""Choosing tokens and deciding when to stop: greedy, temperature, top-k, top-p, per-sequence seeds,
-``min_tokens``, stop tokens and stop strings (vLLM's semantics, in one place).
+"""Choosing tokens and the token rules for stopping: greedy, temperature, top-k, top-p, per-sequence
+seeds, ``min_tokens``, EOS, stop token ids and length (vLLM's semantics). Stop strings are text: the
+Detokenizer (``tinypaged.detokenizer``) owns them.
 
 * Until a sequence has ``min_tokens`` outputs, EOS and its ``stop_token_ids`` get -inf logits, so they
-  cannot be chosen (vLLM's min-tokens logits processor), and no stop check runs.
-* A stop string is searched only in text produced after ``min_tokens`` was reached (plus a look-back of
-  ``len(stop) - 1`` characters, so a stop string that straddles the boundary is found), as vLLM does.
+  cannot be chosen (vLLM's min-tokens logits processor), and no token stop check fires.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tinypaged.sequence import FinishReason
 
 
 def suppress_early_stops(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
@@ -51,33 +52,21 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
     return tokens, chosen
 
 
-def check_stop(seq, eos_token_ids, max_model_len: int, detokenize) -> tuple[str, int | str | None] | None:
-    """After a token was appended: ``(finish_reason, stop_reason)`` if ``seq`` is done, else None.
+def check_stop(seq, eos_token_ids, max_model_len: int) -> tuple[FinishReason, int | None] | None:
+    """After a token was appended: ``(finish_reason, stop_reason)`` if a token rule ends ``seq``, else None.
 
-    Cuts ``seq.text`` at a stop string. ``seq.stop_search_from`` remembers how much text was
-    already searched (or skipped while under ``min_tokens``).
+    Token rules only, as vLLM's ``check_stop``: EOS (stop_reason None) and ``stop_token_ids`` (stop_reason
+    the id) once ``min_tokens`` is reached, then ``max_tokens`` / ``max_model_len`` (LENGTH). Stop strings
+    are text, which the Detokenizer owns (``tinypaged.detokenizer``). Reads ``seq``, never writes it.
     """
     p = seq.params
     n_out = len(seq.output_token_ids)
     token = seq.output_token_ids[-1]
     if n_out >= p.min_tokens:
         if not p.ignore_eos and token in eos_token_ids:
-            return "stop", None
+            return FinishReason.STOP, None
         if token in p.stop_token_ids:
-            return "stop", token
-    if p.stop_strings:
-        text = detokenize(seq.output_token_ids)
-        if n_out >= p.min_tokens:  # text of the tokens before min_tokens is never searched
-            hits = []
-            for s in p.stop_strings:
-                at = text.find(s, max(0, seq.stop_search_from - len(s) + 1))
-                if at >= 0:
-                    hits.append((at, s))
-            if hits:
-                at, s = min(hits)
-                seq.text = text[:at]
-                return "stop", s
-        seq.stop_search_from = len(text)
+            return FinishReason.STOP, token
     if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= max_model_len:
-        return "length", None
+        return FinishReason.LENGTH, None
     return None

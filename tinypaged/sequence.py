@@ -18,6 +18,18 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(enum.StrEnum):
+    """Why a sequence finished (vLLM's names; ``str()`` gives the plain string vLLM's outputs carry).
+
+    STOP: EOS, a stop token id or a stop string (``stop_reason`` says which: the token id, the string,
+    or None for EOS). LENGTH: ``max_tokens`` or ``max_model_len``. ABORT: the request was aborted.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
 @dataclass
 class SequenceTimes:
     arrival: float = 0.0
@@ -64,11 +76,11 @@ class Sequence:
         self.num_cached_tokens = 0  # prefix-cache hit of the latest admission
         self.extra_keys = extra_keys  # mixed into prefix hashes (vLLM: cache_salt, LoRA id, ...)
         self.pending_forks = 0  # n > 1 with parallel_sampling="fork": children still to fork
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
+        self.finish_reason: FinishReason | None = None  # set by the scheduler when it finishes the sequence
+        self.stop_reason: int | str | None = None  # vLLM's: the stop token id, the stop string, or None
         self.cumulative_logprob = 0.0
-        self.text = ""
-        self.stop_search_from = 0  # characters of text already searched for stop strings
+        self.text = ""  # written only by the Detokenizer; final once the sequence has finished
+        self.stop_search_from = 0  # Detokenizer: settled characters of text already searched for stop strings
         self.times = SequenceTimes(arrival=arrival_time)
         self.num_preemptions = 0
 

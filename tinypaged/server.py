@@ -98,14 +98,11 @@ class Server:
     """The routes' shared state: the engine loop, its tokenizer, metrics and the served name."""
 
     def __init__(self, llm, model_name: str, max_queued: int = 256):
-        from tinypaged.llm import _text_so_far
-
         self.llm, self.model_name = llm, model_name
         self.engine = llm.llm_engine
         self.metrics = ServerMetrics(model_name)
         self._tok = None
-        self.loop = EngineLoop(self.engine, lambda seq: _text_so_far(self.tokenizer, seq), max_queued,
-                               self.metrics)
+        self.loop = EngineLoop(self.engine, self.engine.detokenizer.stream_text, max_queued, self.metrics)
         self.metrics.watch(self.loop)
         self.created = int(time.time())
 

@@ -48,9 +48,8 @@ class ModelFreeEngine:
     DUMMY_TOKEN = 0
 
     def __init__(self, config):
-        from tinypaged.block_manager import BlockManager
-        from tinypaged.contiguous import ContiguousKVManager
         from tinypaged.interfaces import KVCacheSpec
+        from tinypaged.kv_managers import build_kv_manager
         from tinypaged.sampler import check_stop
         from tinypaged.scheduler import Scheduler, make_policy
 
@@ -66,28 +65,26 @@ class ModelFreeEngine:
             raise ValueError("the simulator models recompute preemption only (vLLM v1); "
                              "use preemption_mode='recompute'")
         self.config = config
-        paged = config.kv_cache == "paged"
-        block_size = config.block_size if paged else 1
+        block_size = config.block_size if config.kv_cache == "paged" else 1
         spec = KVCacheSpec(tokens // block_size, block_size, config.max_model_len, config.enable_prefix_caching,
                            config.reservation_policy)
-        factory = config.kv_cache_manager or (BlockManager.from_spec if paged else ContiguousKVManager.from_spec)
-        self.kv = factory(spec)
+        self.kv = build_kv_manager(config, spec)
         self.now = 0.0
         self.scheduler = Scheduler(config, self.kv, make_policy(config), clock=lambda: self.now)
-        self._stop = lambda seq: check_stop(seq, (), config.max_model_len, None)
+        self._stop = lambda seq: check_stop(seq, (), config.max_model_len)  # output lengths are forced: no text
         self._out = None
 
     def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
+        from tinypaged.kv_managers import check_fits
         from tinypaged.sampling_params import SamplingParams
         from tinypaged.sequence import Sequence
 
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         seq = Sequence(request_id, prompt_ids, params, 0, arrival)
-        need = self.kv.max_tokens_needed(seq)
-        if len(prompt_ids) + output_len > self.config.max_model_len or need > self.kv.capacity_tokens:
-            raise ValueError(f"Request {request_id} (prompt {len(prompt_ids)} + output {output_len} tokens, "
-                             f"reserving {need}) can never run: max_model_len is {self.config.max_model_len} "
-                             f"and the KV cache holds {self.kv.capacity_tokens} tokens")
+        if len(prompt_ids) + output_len > self.config.max_model_len:
+            raise ValueError(f"Request {request_id} (prompt {len(prompt_ids)} + output {output_len} tokens) can "
+                             f"never run: max_model_len is {self.config.max_model_len}")
+        check_fits(self.kv, seq)
         self.scheduler.add(seq)
         return seq
 

@@ -1,0 +1,173 @@
+"""Requests in: validating and building them before anything is queued (vLLM v1's input processor).
+
+``InputProcessor.make_request`` turns one prompt and its SamplingParams into a ``Request`` and its
+sequences, or raises naming the request and the problem: the three prompt forms, text that is not
+valid Unicode, token ids and stop token ids outside the vocabulary, the fork policy for n > 1, and
+requests that could never fit. ``check_batch`` does the same for the shape of one ``generate`` call
+(prompts, a params list, arrival times). Nothing here touches a queue, so a bad request anywhere in a
+call leaves the engine exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+import torch
+
+from tinypaged.kv_managers import check_fits
+from tinypaged.sampling_params import SamplingParams
+from tinypaged.sequence import Sequence
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
+
+
+def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
+    """The generator of sample ``index`` of a seeded request: seed + index (vLLM v1's child seeds),
+    wrapped into torch's 64-bit seed range so a seed near the top cannot overflow mid-batch."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed + index) % 2**64)
+
+
+class InputProcessor:
+    def __init__(self, config, vocab_size: int, kv, encode, clock):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.kv = kv
+        self.encode = encode  # text -> token ids (the tokenizer loads on the first text prompt)
+        self.clock = clock
+
+    def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> Request:
+        """Tokenize and validate one request without queueing it."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"Request {request_id}: sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, ids, salt = self._prompt(request_id, prompt)
+        c, top = self.config, self.vocab_size - 1
+        if not ids:
+            raise ValueError(f"Request {request_id}: the prompt is empty")
+        if len(ids) > c.max_model_len:
+            raise ValueError(f"Request {request_id}: the prompt ({len(ids)} tokens) is longer than "
+                             f"max_model_len ({c.max_model_len})")
+        bad = [t for t in ids if not 0 <= t <= top]
+        if bad:
+            raise ValueError(f"Request {request_id}: token ids {bad[:5]} are outside the vocabulary (0..{top})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t <= top]
+        if bad:
+            raise ValueError(f"Request {request_id}: stop_token_ids {bad[:5]} are outside the vocabulary (0..{top})")
+        fork = params.n > 1 and c.parallel_sampling == "fork"
+        if fork and not hasattr(self.kv, "fork"):
+            raise NotImplementedError(f"Request {request_id}: n={params.n} with parallel_sampling='fork' shares "
+                                      f"KV blocks, which needs a KV manager with fork() (kv_cache='paged'); "
+                                      f"or use parallel_sampling='fanout'")
+        if fork and params.n > c.max_num_seqs:
+            raise ValueError(f"Request {request_id}: n={params.n} forked samples can never run together under "
+                             f"max_num_seqs={c.max_num_seqs}; raise max_num_seqs or use parallel_sampling='fanout'")
+        req = Request(request_id, text, ids, params)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        # fork: one sequence now, n - 1 children at its first sample; fanout (vLLM v1): n independent
+        # sequences whose seeds are seed + index, sharing the prompt only through the prefix cache
+        for k in range(1 if fork or params.n == 1 else params.n):
+            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt))
+        req.seqs[0].pending_forks = params.n - 1 if fork else 0  # construction: no one holds it yet
+        check_fits(self.kv, req.seqs[0])
+        return req
+
+    def _prompt(self, request_id: str, prompt) -> tuple[str | None, list[int], object]:
+        """(text, token ids, cache salt) of a string, {"prompt_token_ids": [...]} or {"prompt": "..."}."""
+        if isinstance(prompt, str):
+            return prompt, self._encode(request_id, prompt, "the prompt"), None
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise TypeError(f"Request {request_id}: 'prompt' must be a string or None, got {type(text).__name__}")
+            return text, _token_ids(request_id, prompt["prompt_token_ids"]), prompt.get("cache_salt")
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            text = prompt["prompt"]
+            if not isinstance(text, str):
+                raise TypeError(f"Request {request_id}: 'prompt' must be a string, got {type(text).__name__} "
+                                f"(or pass 'prompt_token_ids')")
+            return text, self._encode(request_id, text, "'prompt'"), prompt.get("cache_salt")
+        raise ValueError(f"Request {request_id}: a prompt is a string or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
+
+    def _encode(self, request_id: str, text: str, what: str) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") has no UTF-8 form to tokenize
+            raise ValueError(f"Request {request_id}: {what} is not valid Unicode text: {text[e.start:e.end]!r} at "
+                             f"character {e.start} is a lone surrogate") from None
+        return self.encode(text)
+
+
+def _token_ids(request_id: str, ids) -> list[int]:
+    """Prompt token ids must be integers (a float would be silently truncated otherwise)."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise TypeError(f"Request {request_id}: prompt_token_ids must be a list of integers, got {type(ids).__name__}")
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    wrong = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+    if wrong:
+        raise TypeError(f"Request {request_id}: prompt_token_ids must be integers, got {wrong[0]!r} "
+                        f"({type(wrong[0]).__name__})")
+    return ids
+
+
+def check_batch(prompts, sampling_params, arrival_times) -> tuple[list, list, list[float]]:
+    """The shape of one generate() call: (prompts, one SamplingParams per prompt, arrival offsets in
+    seconds from now). Raises naming the argument (and the index) before anything is queued."""
+    single = isinstance(prompts, (str, dict))
+    if not single and (not isinstance(prompts, SequenceABC) or isinstance(prompts, bytes)):
+        raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', or a list of "
+                        f"them; got {type(prompts).__name__}")
+    prompts = [prompts] if single else list(prompts)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SequenceABC) and not isinstance(sampling_params, str):
+        params = list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"Got {len(params)} SamplingParams for {len(prompts)} prompts")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__} (pass one "
+                                f"SamplingParams per prompt, or a single one for all)")
+    elif isinstance(sampling_params, SamplingParams):
+        params = [sampling_params] * len(prompts)
+    else:
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got "
+                        f"{type(sampling_params).__name__}")
+    return prompts, params, _arrival_offsets(arrival_times, len(prompts))
+
+
+def _arrival_offsets(arrival_times, n: int) -> list[float]:
+    if arrival_times is None:
+        return [0.0] * n
+    if hasattr(arrival_times, "tolist"):  # a NumPy array or a tensor
+        times = arrival_times.tolist()
+    elif isinstance(arrival_times, SequenceABC) and not isinstance(arrival_times, (str, bytes)):
+        times = list(arrival_times)
+    else:
+        times = None
+    if not isinstance(times, list):
+        raise TypeError(f"arrival_times must be a list of seconds from now (one per prompt), got "
+                        f"{type(arrival_times).__name__}")
+    if len(times) != n:
+        raise ValueError(f"Got {len(times)} arrival_times for {n} prompts")
+    for i, t in enumerate(times):
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"arrival_times[{i}] must be a finite number of seconds >= 0 (from now), got {t!r}")
+    return [float(t) for t in times]
