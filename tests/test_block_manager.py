@@ -17,7 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tinypaged.course import checks
 from tinypaged.attention import gather_kv, paged_context_slots, slot_mapping
 from tinypaged.block_manager import BlockManager
-from tinypaged.course.checks import stage02
 
 
 class FakeSeq:

@@ -30,8 +30,8 @@ Invariants (checked by the property tests):
 from __future__ import annotations
 
 from tinypaged.attention import slot_mapping
-from tinypaged.block_pool import (ROOT_HASH, BlockAllocator, BlockPool, blocks_needed, hash_block_tokens,  # noqa: F401
-                                  hash_chain)
+# ROOT_HASH and hash_block_tokens are re-exported: lessons and tests import them from here
+from tinypaged.block_pool import ROOT_HASH, BlockPool, blocks_needed, hash_block_tokens, hash_chain  # noqa: F401
 from tinypaged.swap_space import SwapSpace
 
 
@@ -194,13 +194,14 @@ class BlockManager:
             and self.pool.ref_count(table[-1]) > 1
 
     def can_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
-        table = self.tables.get(seq.seq_id, [])
+        table = self.tables.get(seq.seq_id, ())
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         need = blocks_needed(start + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
-        need += num_new_tokens > 0 and self._copy_on_write(table, start)
-        # cached blocks sitting in the free queue stop being free once this sequence takes them
-        reclaimed = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
-        return max(need, 0) + reclaimed <= self.pool.num_free
+        if num_new_tokens and self._copy_on_write(table, start):
+            need += 1
+        if computed_blocks:  # cached blocks sitting in the free queue stop being free once taken
+            return max(need, 0) + sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0) <= self.pool.num_free
+        return need <= self.pool.num_free
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         """Make room for ``num_new_tokens`` tokens of ``seq`` after its computed ones; False (and no change)
@@ -213,14 +214,16 @@ class BlockManager:
             self.pool.touch(block)
             table.append(block)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        end = start + num_new_tokens
         if num_new_tokens and len(table) == blocks_needed(start, self.block_size):
             copy = append_slot(table, start, self.block_size, self.pool)  # the first new token's block
             if copy is not None:
                 self.copy_block(*copy)  # done now, before the forward reads it
                 self.num_cow_copies += 1
-        self.block_tables.allocate_slots(seq.seq_id, start + num_new_tokens)
+        if len(table) < blocks_needed(end, self.block_size):
+            self.block_tables.allocate_slots(seq.seq_id, end)
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, start + num_new_tokens)
+            self._register_full_blocks(seq, end)
         return True
 
     def fork(self, parent, child) -> None:

@@ -17,6 +17,8 @@ def distinct(tables) -> list[int]:
 
 
 class SwapSpace:
+    """The CPU side of swap preemption; the caller frees (or fills) the GPU blocks."""
+
     def __init__(self, num_cpu_blocks: int):
         self.cpu_free = list(range(num_cpu_blocks))
         self.cpu_ref: dict[int, int] = {}  # CPU block -> how many swapped tables point at it
