@@ -40,8 +40,8 @@ def gather_kv(cache: torch.Tensor, block_table, context_len: int) -> torch.Tenso
 
 
 def paged_context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[num_seqs, max_blocks] block tables -> [num_seqs, context_len] slot of every key position: the
-    gather above, over a cache whose every row holds its own slot number."""
+    """[num_seqs, max_blocks] block tables -> [num_seqs, context_len] slot of every key position:
+    ``gather_kv`` over a cache whose every row holds its own slot number (one formula for both)."""
     num_blocks = int(block_tables.max()) + 1 if block_tables.numel() else 1
     slots = torch.arange(num_blocks * block_size, device=block_tables.device).view(num_blocks, block_size)
     return gather_kv(slots, block_tables, context_len)
