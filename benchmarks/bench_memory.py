@@ -1,8 +1,8 @@
 """Stage 1 vs stage 2: where the KV memory goes, on ShareGPT-like and Alpaca-like traces.
 
-No model runs here: ``tinypaged.lab.memory_sim`` replays request lengths through the real allocators
-(first-fit contiguous regions, or the block pool) and accounts for every slot at every step in
-which a request is waiting for memory. Three tables:
+No model runs here: ``tinypaged.lab.memory_sim`` replays request lengths through the engine's own
+scheduler and KV cache managers (first-fit contiguous regions, or the block pool), without a model,
+and accounts for every slot at every step in which a request is waiting for memory. Three tables:
 
   (a) stage 1: contiguous reservation policies max / pow2 / oracle (the paper's Orca variants),
       next to the paper's 20.4%-38.2% of KV memory holding token states (Fig. 2);
@@ -11,7 +11,7 @@ which a request is waiting for memory. Three tables:
       (paper, OPT-13B on ShareGPT: 30.42 vs 13.62 / 9.81 / 7.00);
   (c) block-size sweep 1 ... 256 under paging.
 
-    python benchmarks/bench_memory.py            # 1000 requests per trace (10-20 s)
+    python benchmarks/bench_memory.py            # 1000 requests per trace (a few minutes)
     python benchmarks/bench_memory.py --quick    # 300 requests per trace
 """
 

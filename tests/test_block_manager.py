@@ -17,7 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from tinypaged.course import checks
 from tinypaged.attention import gather_kv, paged_context_slots, slot_mapping
 from tinypaged.block_manager import BlockManager
-from tinypaged.course.checks import stage02
 
 
 class FakeSeq:
@@ -40,8 +39,7 @@ def ceil_div(a, b):
 
 
 def snapshot(bm: BlockManager):
-    return (list(bm.pool.free_queue), {k: [b.block_id for b in v] for k, v in bm.tables.items()},
-            [b.ref_cnt for b in bm.pool.blocks])
+    return (list(bm.pool.allocator), {k: list(v) for k, v in bm.tables.items()}, dict(bm.pool.refcounts))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -87,13 +85,13 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def every_block_accounted_for(self):
-        owned = [b.block_id for blocks in self.bm.tables.values() for b in blocks]
+        owned = [b for blocks in self.bm.tables.values() for b in blocks]
         assert len(owned) == len(set(owned)), f"a block is owned twice without sharing: {sorted(owned)}"
-        free = set(self.bm.pool.free_queue)
+        free = set(self.bm.pool.allocator)
         assert not free & set(owned), f"blocks both free and owned: {free & set(owned)}"
         assert len(free) + len(owned) == self.bm.num_blocks, "free + referenced must equal num_blocks"
-        for b in self.bm.pool.blocks:
-            assert b.ref_cnt == (0 if b.block_id in free else 1)
+        for b in range(self.bm.num_blocks):
+            assert self.bm.pool.ref_count(b) == (0 if b in free else 1)
 
     @invariant()
     def tables_hold_exactly_ceil_length(self):
@@ -156,16 +154,18 @@ def test_allocate_slots_false_without_change_when_blocks_run_out():
     assert bm.block_ids(a) == [0, 1, 2, 3] and bm.num_free_blocks == 0
 
 
-def test_freed_blocks_without_a_hash_are_reused_first():
-    """vLLM v1's free_blocks: a freed block holding no cached prefix goes to the head of the queue."""
-    bm = BlockManager(6, 2)
-    a, b = FakeSeq(), FakeSeq()
+@pytest.mark.parametrize("caching,want", [(False, [3, 4, 5, 1, 0]), (True, [0, 1, 3, 4, 5])])
+def test_where_freed_blocks_go(caching, want):
+    """vLLM v1's free_blocks: without prefix caching every freed block joins the tail (first in, first out,
+    as stage 2's allocator); with it, a freed block holding no cached prefix goes to the head instead."""
+    bm = BlockManager(6, 2, enable_prefix_caching=caching)
+    a, b = FakeSeq(), FakeSeq()  # FakeSeq knows no tokens: its blocks are never hashed
     bm.allocate_slots(a, 4)
     bm.allocate_slots(b, 2)
-    bm.free(a)  # blocks 1 then 0 (tail first) jump ahead of 3, 4, 5
+    bm.free(a)  # blocks 1 then 0 (tail first)
     c = FakeSeq()
     bm.allocate_slots(c, 10)
-    assert bm.block_ids(c) == [0, 1, 3, 4, 5]
+    assert bm.block_ids(c) == want
 
 
 # -- the notebook checks reject broken implementations ------------------------------------------
@@ -212,25 +212,47 @@ def test_stage02_checks_accept_a_correct_allocator():
     assert checks.evaluate("block_allocator", FifoAllocator)[0] == checks.PASS
 
 
-def greedy_allocate_for(table, num_tokens, block_size, allocator):
-    while len(table) < -(-num_tokens // block_size):  # allocates until it fails: partial change
-        if allocator.num_free == 0:
+class GreedyTables:
+    """Block tables that allocate until the allocator runs dry: a failed call leaves a partial change."""
+
+    def __init__(self, allocator, block_size):
+        self.allocator, self.block_size, self.tables = allocator, block_size, {}
+
+    def allocate_slots(self, seq_id, num_tokens):
+        table = self.tables.setdefault(seq_id, [])
+        while len(table) < -(-num_tokens // self.block_size):
+            if self.allocator.num_free == 0:
+                return False
+            table.append(self.allocator.allocate())
+        return True
+
+    def block_ids(self, seq_id):
+        return list(self.tables.get(seq_id, []))
+
+    def free(self, seq_id):
+        for b in reversed(self.tables.pop(seq_id, [])):
+            self.allocator.free(b)
+
+    def slots(self, seq_id, positions):
+        t = self.tables.get(seq_id, [])
+        return [t[p // self.block_size] * self.block_size + p % self.block_size for p in positions]
+
+
+class HeadFirstTables(GreedyTables):
+    def allocate_slots(self, seq_id, num_tokens):
+        need = -(-num_tokens // self.block_size) - len(self.tables.get(seq_id, []))
+        if need > self.allocator.num_free:
             return False
-        table.append(allocator.allocate())
-    return True
+        return super().allocate_slots(seq_id, num_tokens)
 
-
-def reserving_allocate_for(table, num_tokens, block_size, allocator):
-    need = -(-num_tokens // block_size) + 1 - len(table)  # one block too many
-    if need > allocator.num_free:
-        return False
-    table.extend(allocator.allocate() for _ in range(need))
-    return True
+    def free(self, seq_id):  # frees head first, not tail first
+        for b in self.tables.pop(seq_id, []):
+            self.allocator.free(b)
 
 
 BROKEN = {
     "block_allocator": [LifoAllocator, ForgivingAllocator],
-    "allocate_for": [greedy_allocate_for, reserving_allocate_for],
+    "block_tables": [GreedyTables, HeadFirstTables],
     "slot_mapping": [
         lambda t, pos, bs: [t[p // bs] + p % bs for p in pos],  # forgot to scale by block_size
         lambda t, pos, bs: [t[p // bs] * bs + p % bs for p in pos if p >= 0],  # drops padding
@@ -260,10 +282,10 @@ def test_stage02_checks_say_not_implemented():
             raise NotImplementedError("not implemented yet")
 
     assert checks.evaluate("block_allocator", TodoAllocator)[0] == checks.TODO
-    for name in ("allocate_for", "slot_mapping", "gather_kv"):
+    for name in ("slot_mapping", "gather_kv"):
         assert checks.evaluate(name, todo)[0] == checks.TODO
 
 
 def test_stage02_checks_registered_for_the_notebook():
     targets = {c.target for c in checks.checks_for_stage("02")}
-    assert {"BlockAllocator", "allocate_for", "slot_mapping", "gather_kv"} <= targets
+    assert {"BlockAllocator", "BlockTables", "slot_mapping", "gather_kv"} <= targets

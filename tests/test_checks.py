@@ -39,7 +39,7 @@ def test_reference_implementation_is_refused(name):
     assert status == checks.FAIL and "reference implementation" in msg, (name, status, msg)
 
 
-@pytest.mark.parametrize("name", [n for n in NAMES if not checks.REGISTRY[n].legacy])
+@pytest.mark.parametrize("name", NAMES)
 def test_hidden_cases_are_other_inputs(name):
     c = checks.get(name)
     visible = checks.expected_outcomes(name, None)
@@ -58,21 +58,6 @@ def test_messages_name_the_case_the_step_and_both_values(capsys):
     out = capsys.readouterr().out
     assert out.startswith("check first_fit: FAIL - case '")
     assert "expected 5, got 20" in out or "expected" in out and "got" in out
-
-
-def test_assert_style_checks_still_register():
-    from tinypaged.course.checks import register
-
-    @register("99", "double", reference=lambda: (lambda x: 2 * x))
-    def check_double(fn):
-        assert fn(3) == 6, f"double(3) should be 6, got {fn(3)}"
-
-    try:
-        assert checks.evaluate("double", lambda x: x + x, detect=False) == (checks.PASS, "")
-        status, msg = checks.evaluate("double", lambda x: x * 3, detect=False)
-        assert status == checks.FAIL and "double(3) should be 6, got 9" in msg
-    finally:
-        checks.REGISTRY.pop("double")
 
 
 def test_wrapped_and_aliased_references_are_caught():

@@ -8,7 +8,7 @@ import torch
 from tinypaged import LLM, SamplingParams
 from tinypaged.course import checks
 from tinypaged.contiguous import (
-    ContiguousArena,
+    ContiguousAllocator,
     ContiguousKVManager,
     first_fit,
     free_holes,
@@ -48,50 +48,54 @@ def test_free_holes_and_first_fit_take_the_lowest_address():
     assert first_fit(holes, 8) is None
 
 
-def test_arena_first_fit_reuses_the_lowest_hole_and_merges_freed_neighbours():
-    a = ContiguousArena(20)
-    owners = [object() for _ in range(4)]
-    assert [a.allocate(5, o) for o in owners] == [0, 5, 10, 15]
-    assert a.allocate(1, object()) is None  # full
-    a.free(owners[1])
-    a.free(owners[2])
+def test_allocator_first_fit_reuses_the_lowest_hole_and_merges_freed_neighbours():
+    a = ContiguousAllocator(20, "oracle", 20)
+    assert [a.allocate(k, 5) for k in range(4)] == [0, 5, 10, 15]
+    assert a.allocate("full", 1) is None and "full" not in a.regions
+    a.free(1)
+    a.free(2)
     assert a.holes() == [(5, 10)]  # the two freed neighbours form one hole
-    assert a.allocate(3, "x") == 5 and a.allocate(3, "y") == 8
+    assert a.allocate("x", 3) == 5 and a.allocate("y", 3) == 8
     assert a.holes() == [(11, 4)]
-    assert a.reserved == 16 and a.free_tokens == 4 and a.largest_hole == 4
+    u = a.usage({0: 5, 3: 2, "x": 1})
+    assert (u["reserved"], u["free"], u["largest_hole"], u["token_states"]) == (16, 4, 4, 8)
+    with pytest.raises(ValueError, match="already holds"):
+        a.allocate("x", 1)
+    with pytest.raises(IndexError, match="outside"):
+        a.slot("y", 3)
 
 
 def test_external_fragmentation_really_happens():
     """Enough free slots in total, yet no single hole is large enough: the request must wait."""
-    a = ContiguousArena(12)
-    x, y, z = object(), object(), object()
-    a.allocate(4, x), a.allocate(4, y), a.allocate(4, z)
-    a.free(x)
-    a.free(z)
-    assert a.free_tokens == 8 and a.largest_hole == 4
-    assert a.allocate(5, "big") is None
-    a.free(y)  # only when the middle region leaves do the holes merge
-    assert a.allocate(5, "big") == 0
+    a = ContiguousAllocator(12, "oracle", 12)
+    for k in "xyz":
+        a.allocate(k, 4)
+    a.free("x")
+    a.free("z")
+    assert a.usage({})["free"] == 8 and a.usage({})["largest_hole"] == 4
+    assert a.allocate("big", 5) is None
+    a.free("y")  # only when the middle region leaves do the holes merge
+    assert a.allocate("big", 5) == 0
 
 
-def test_arena_invariants_under_random_allocations():
+def test_allocator_invariants_under_random_allocations():
     rng = random.Random(0)
-    a = ContiguousArena(200)
+    a = ContiguousAllocator(200, "oracle", 200)
     live = []
-    for _ in range(2000):
+    for i in range(2000):
         if live and rng.random() < 0.45:
             a.free(live.pop(rng.randrange(len(live))))
         else:
-            owner, size = object(), rng.randrange(1, 30)
-            start = a.allocate(size, owner)
+            size = rng.randrange(1, 30)
+            start = a.allocate(i, size)
             if start is None:
                 assert all(gap < size for _, gap in a.holes())  # refused only when no hole fits
             else:
-                live.append(owner)
-        starts = [r.start for r in a.regions]
-        assert starts == sorted(starts)
-        for r, nxt in zip(a.regions, a.regions[1:]):
-            assert r.start + r.size <= nxt.start  # no overlap
+                live.append(i)
+        regions = sorted((s, n) for s, n, _ in a.regions.values())
+        for (s, n), (nxt, _) in zip(regions, regions[1:]):
+            assert s + n <= nxt  # no overlap
+        assert a.reserved == sum(n for _, n in regions)
         assert a.reserved + sum(g for _, g in a.holes()) == a.capacity
 
 
@@ -149,7 +153,7 @@ def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
     m = llm.get_metrics()
     assert (m["num_requests_finished"], m["num_preemptions"], m["kv_reserved_tokens"]) == (5, 0, 0)
     assert m["num_generated_tokens"] == 40 and m["num_prefill_tokens"] == 50
-    assert kv.arena.regions == [] and kv.live == {}
+    assert kv.allocator.regions == {} and kv.live == {}
 
 
 def test_max_policy_reserves_max_model_len_per_request():

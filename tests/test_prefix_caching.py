@@ -101,8 +101,9 @@ def test_stale_hashes_after_lru_eviction():
     m = on.get_metrics()
     assert m["prefix_cache_evictions"] > 0
     kv = on.llm_engine.kv
-    for h, holders in kv.pool.cached.items():
-        assert all(b.block_hash == h for b in holders.values())
+    for h, holders in kv.pool.index.items():
+        assert holders and all(kv.pool.hash_of[b] == h for b in holders)
+    assert len(kv.pool.hash_of) == sum(len(h) for h in kv.pool.index.values())
 
 
 def test_lru_order_and_tail_first_free():
@@ -112,10 +113,10 @@ def test_lru_order_and_tail_first_free():
     table = bm.block_ids(s)
     bm.free(s)
     # freed tail first: the last block of the chain sits at the head side of the freed ones
-    assert list(bm.pool.free_queue)[-3:] == table[::-1]
+    assert list(bm.pool.allocator)[-3:] == table[::-1]
     t = Sequence("b", list(range(12)), GREEDY)
     hit = bm.get_computed_blocks(t)
-    assert [b.block_id for b in hit] == table[:2], "capped at len - 1 = 11 tokens: two blocks"
+    assert hit == table[:2], "capped at len - 1 = 11 tokens: two blocks"
     assert bm.allocate_slots(t, 12 - 8, hit)
     assert bm.block_ids(t)[:2] == table[:2] and t.num_computed_tokens == 0, "the manager never changes seq"
 
@@ -154,7 +155,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, seq):
         for pos in range(seq.num_computed_tokens, len(seq)):
             block = self.bm.tables[seq.seq_id][pos // BS]
-            assert block.ref_cnt == 1, f"writing into block {block.block_id} shared by {block.ref_cnt} tables"
+            refs = self.bm.pool.ref_count(block)
+            assert refs == 1, f"writing into block {block} shared by {refs} tables"
             self.slots[self.bm.slot_mapping(seq, pos, pos + 1)[0]] = seq.token_ids[pos]
         seq.num_computed_tokens = len(seq)
 
@@ -199,17 +201,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         holders = {}
         for blocks in self.bm.tables.values():
             for b in blocks:
-                holders[b.block_id] = holders.get(b.block_id, 0) + 1
-        for b in self.bm.pool.blocks:
-            assert b.ref_cnt == holders.get(b.block_id, 0), f"block {b.block_id}: ref {b.ref_cnt}"
-            in_queue = b.block_id in self.bm.pool.free_queue
-            assert in_queue == (b.ref_cnt == 0), f"block {b.block_id} free={in_queue} ref={b.ref_cnt}"
+                holders[b] = holders.get(b, 0) + 1
+        for b in range(self.bm.num_blocks):
+            refs = self.bm.pool.ref_count(b)
+            assert refs == holders.get(b, 0), f"block {b}: ref {refs}"
+            in_queue = b in self.bm.pool.allocator
+            assert in_queue == (refs == 0), f"block {b} free={in_queue} ref={refs}"
 
     @invariant()
     def index_points_at_matching_blocks(self):
-        for h, holders in self.bm.pool.cached.items():
-            for b in holders.values():
-                assert b.block_hash == h
+        for h, holders in self.bm.pool.index.items():
+            for b in holders:
+                assert self.bm.pool.hash_of[b] == h
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):

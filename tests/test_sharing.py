@@ -98,14 +98,14 @@ def test_copy_on_write_block_manager_level():
     parent.num_computed_tokens = 6
     child = parent.fork(1, None)
     bm.fork(parent, child)
-    assert bm.block_ids(child) == bm.block_ids(parent) and [b.ref_cnt for b in bm.tables[parent.seq_id]] == [2, 2]
+    assert bm.block_ids(child) == bm.block_ids(parent) and [bm.pool.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 2]
     for s in (parent, child):
         s.output_token_ids.append(99)
     assert bm.allocate_slots(child, 1)
     assert copies == [(bm.block_ids(parent)[1], bm.block_ids(child)[1])]
     assert bm.block_ids(child)[0] == bm.block_ids(parent)[0] and bm.block_ids(child)[1] != bm.block_ids(parent)[1]
     assert bm.allocate_slots(parent, 1) and len(copies) == 1, "the last holder writes in place"
-    assert [b.ref_cnt for b in bm.tables[parent.seq_id]] == [2, 1]
+    assert [bm.pool.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 1]
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8

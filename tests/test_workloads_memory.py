@@ -44,10 +44,11 @@ def test_simulator_hand_checked_case():
     """8 slots, oracle: two 4-token requests fill the arena while the third waits for two steps."""
     trace = [TraceRequest(i, 2, 2) for i in range(3)]
     r = memory_sim.simulate(trace, 8, "contiguous", "oracle")
-    # step 1: lengths 3 + 3 of 4 + 4 reserved; step 2: 4 + 4; then both leave and the third runs alone
+    # step 1 prefills both prompts: 2 + 2 token states of 4 + 4 reserved; step 2 decodes: 3 + 3 (the last
+    # sampled token's keys and values are never written); then both leave and the third runs alone
     assert (r.steps, r.busy_steps) == (4, 2)
-    assert r.token_states == pytest.approx((6 / 8 + 8 / 8) / 2)
-    assert r.reservation == pytest.approx((2 / 8 + 0) / 2)
+    assert r.token_states == pytest.approx((4 / 8 + 6 / 8) / 2)
+    assert r.reservation == pytest.approx((4 / 8 + 2 / 8) / 2)
     assert r.internal_fragmentation == r.external_fragmentation == r.free == 0
     assert r.mean_resident == 2
 
@@ -58,11 +59,11 @@ def test_simulator_counts_external_fragmentation_only_when_the_slots_would_suffi
     trace = [TraceRequest(0, 1, 1), TraceRequest(1, 1, 5), TraceRequest(2, 1, 1), TraceRequest(3, 3, 1)]
     rows = ["".join(map(str, row)) for row in memory_sim.memory_map(trace, 10, "contiguous", "oracle")]
     # 0 free, 1 token state, 2 reservation, 4 external fragmentation
-    assert rows == ["1111222211", "4411122244", "4411112244", "4411111244", "4411111144", "1111000000"]
+    assert rows == ["1212222212", "4411222244", "4411122244", "4411112244", "4411111244", "1112000000"]
     r = memory_sim.simulate(trace, 10, "contiguous", "oracle")
     assert (r.steps, r.busy_steps) == (6, 5)
     assert r.external_fragmentation == pytest.approx(4 * 4 / 10 / 5)  # 4 scattered slots in 4 of 5 busy steps
-    assert r.token_states == pytest.approx((6 + 3 + 4 + 5 + 6) / 10 / 5)
+    assert r.token_states == pytest.approx((3 + 2 + 3 + 4 + 5) / 10 / 5)
     total = r.token_states + r.reservation + r.internal_fragmentation + r.external_fragmentation + r.free
     assert total == pytest.approx(1.0)
     # with too few free slots in total the waiting is not fragmentation: counted as free
@@ -116,20 +117,20 @@ def test_paged_memory_map_has_no_reservation_and_counts_tokens():
     rows = memory_sim.memory_map(trace, 512, "paged", block_size=16, max_steps=30)
     assert len(rows) == 30 and all(len(row) == 512 for row in rows)
     assert all(memory_sim.RESERVED not in row and memory_sim.EXTERNAL not in row for row in rows)
-    blocks, admitted = 0, 0  # step 0: requests admitted in order while their prompt + 1 token fits
+    blocks, admitted = 0, 0  # step 0: requests admitted in order while their prompt fits (the prefill)
     for r in trace:
-        need = -(-(r.prompt_len + 1) // 16)
+        need = -(-r.prompt_len // 16)
         if blocks + need > 32:
             break
         blocks, admitted = blocks + need, admitted + 1
-    assert rows[0].count(memory_sim.TOKEN) == sum(r.prompt_len + 1 for r in trace[:admitted])
+    assert rows[0].count(memory_sim.TOKEN) == sum(r.prompt_len for r in trace[:admitted])
     assert rows[0].count(memory_sim.TOKEN) + rows[0].count(memory_sim.INTERNAL) == blocks * 16
 
 
 def test_a_request_that_can_never_fit_is_refused():
-    with pytest.raises(ValueError, match="can never fit"):
+    with pytest.raises(ValueError, match="can never run"):
         memory_sim.simulate([TraceRequest(0, 100, 100)], 150, "paged")
-    with pytest.raises(ValueError, match="can never fit"):
+    with pytest.raises(ValueError, match="can never run"):
         memory_sim.simulate([TraceRequest(0, 10, 10)], 1000, "contiguous", "max")  # reserves 2048
     with pytest.raises(ValueError, match="kv_cache"):
         memory_sim.simulate([TraceRequest(0, 10, 10)], 1000, "virtual")

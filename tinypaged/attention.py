@@ -26,22 +26,25 @@ def slot_mapping(block_table, positions, block_size: int) -> list[int]:
     return [-1 if p < 0 else block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
-def paged_context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
-    """[num_seqs, max_blocks] block tables -> [num_seqs, context_len] slot of every key position."""
-    j = torch.arange(context_len, device=block_tables.device)
-    return block_tables[:, j // block_size].long() * block_size + j % block_size
-
-
 def gather_kv(cache: torch.Tensor, block_table, context_len: int) -> torch.Tensor:
     """One sequence's keys (or values) in logical order, read through its block table.
 
     cache [num_blocks, block_size, KVH, D] -> [context_len, KVH, D]: key j is row ``j % block_size``
     of physical block ``block_table[j // block_size]``. Blocks beyond the context are never read.
+    A batch of tables ``[num_seqs, max_blocks]`` gathers ``[num_seqs, context_len, ...]`` at once.
     """
     bs = cache.shape[1]
     table = torch.as_tensor(block_table, dtype=torch.long, device=cache.device)
     j = torch.arange(context_len, device=cache.device)
-    return cache[table[j // bs], j % bs]
+    return cache[table[..., j // bs], j % bs]
+
+
+def paged_context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """[num_seqs, max_blocks] block tables -> [num_seqs, context_len] slot of every key position:
+    ``gather_kv`` over a cache whose every row holds its own slot number (one formula for both)."""
+    num_blocks = int(block_tables.max()) + 1 if block_tables.numel() else 1
+    slots = torch.arange(num_blocks * block_size, device=block_tables.device).view(num_blocks, block_size)
+    return gather_kv(slots, block_tables, context_len)
 
 
 def attend_gathered(q, keys, values, q_positions, context_lens, scale):

@@ -1,175 +1,132 @@
 """Stages 2 and 3: the paged KV cache's memory manager (PagedAttention's "virtual memory").
 
-The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots. A sequence owns
-a *block table*: logical block i (its tokens ``i*block_size`` .. ``(i+1)*block_size - 1``) lives
-in physical block ``block_table[i]``. Token at position p is written to slot
+The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots (``tinypaged.block_pool``).
+A sequence owns a *block table*: logical block i (its tokens ``i*block_size`` .. ``(i+1)*block_size - 1``)
+lives in physical block ``block_table[i]``; token p's slot is ``attention.slot_mapping``'s
 ``block_table[p // block_size] * block_size + p % block_size``.
+
+The pieces are the assignments' answers, in the shape they ask for: ``BlockTables`` (stage 2), and
+``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix`` (stage 3), which take a
+``BlockPool`` where the exercises take a ``refcounts`` dict and an allocator (``BlockPool(allocator,
+refcounts=refcounts)`` is that pair). ``BlockManager`` runs them for the engine.
 
 Invariants (checked by the property tests):
 
-* A block is either in the free queue (``ref_cnt == 0``) or referenced by ``ref_cnt`` block tables,
-  never both; every block is one or the other.
-* Blocks are allocated one at a time as a sequence grows, never reserved up front, so the only
-  waste is the unfilled tail of each sequence's last block.
-* Sharing (stage 3): ``fork`` gives a child the parent's table and bumps each block's ``ref_cnt``.
-  A block is written only when its ``ref_cnt`` is 1: before a sequence appends into a shared,
-  partially filled block, it gets a private copy (copy-on-write).
-* Prefix caching (stage 3; hash-and-LRU caching as in vLLM since 2024, not the paper's reserved
-  shared prefixes): a block's hash is registered once the block is *full* of known tokens. The hash
-  chains the parent block's hash with the block's token ids and the sequence's extra keys (e.g. a
-  cache salt), so equal hashes mean equal whole prefixes. A block whose ``ref_cnt`` drops to 0 keeps
-  its hash and joins the tail of the free queue, which is therefore an LRU cache: allocation takes
-  the head, and drops that block's stale hash before reuse. Freed blocks without a hash go to the
-  head instead (reused first). A cache hit on a free block takes it out of the queue. Sequences
-  free their blocks tail first, so the ends of prefix chains are evicted before their beginnings.
-* Ownership: this manager alone owns block tables and reference counts (``block_ids(seq)`` reads
-  them). It never changes a sequence: the scheduler owns ``num_computed_tokens``.
-* The hash index only points at blocks whose current hash is that key; lookups are capped at
-  ``len(seq) - 1`` tokens, and the hit rate (``record_prefix_lookup``) is counted in tokens, only
-  while prefix caching is on.
+* A block is either free (in the pool's queue) or held by ``ref_count`` block tables, never both.
+* Blocks are allocated one at a time as a sequence grows, never reserved up front, so the only waste is
+  the unfilled tail of each sequence's last block.
+* Sharing (stage 3): ``fork`` gives a child the parent's table and bumps each block's count. A block is
+  written only when one table holds it: before a sequence appends into a shared, partially filled
+  block, it gets a private copy (copy-on-write).
+* Prefix caching (stage 3; hash-and-LRU caching as in vLLM since 2024, not the paper's reserved shared
+  prefixes): a block's hash is registered once the block is *full* of known tokens. Freed blocks keep
+  it (``BlockPool``'s LRU); sequences free their blocks tail first, so the ends of prefix chains are
+  evicted before their beginnings. Lookups are capped at ``len(seq) - 1`` tokens, and the hit rate
+  (``record_prefix_lookup``) is counted in tokens, only while prefix caching is on.
+* Ownership: this manager alone owns block tables and reference counts (``block_ids(seq)`` reads them).
+  It never changes a sequence: the scheduler owns ``num_computed_tokens``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-from collections import OrderedDict
-from dataclasses import dataclass, field
-
-# The first block of every chain hashes against this fixed seed (deterministic across runs).
-ROOT_HASH = hashlib.sha256(b"tinypaged-prefix-root").digest()
+from tinypaged.attention import slot_mapping
+# ROOT_HASH and hash_block_tokens are re-exported: lessons and tests import them from here
+from tinypaged.block_pool import ROOT_HASH, BlockPool, blocks_needed, hash_block_tokens, hash_chain  # noqa: F401
+from tinypaged.swap_space import SwapSpace
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
-    """SHA-256 of (parent hash, this block's token ids, extra keys such as a LoRA id)."""
-    payload = pickle.dumps((parent_hash or ROOT_HASH, tuple(token_ids), extra_keys), protocol=5)
-    return hashlib.sha256(payload).digest()
+# -- stage 3: one table at a time ----------------------------------------------------------------------
+def fork_table(table: list[int], pool) -> list[int]:
+    """The child's table: the same blocks, each held by one more table. Nothing is copied."""
+    for b in table:
+        pool.touch(b)
+    return list(table)
 
 
-def hash_chain(token_ids, block_size: int, extra_keys=None, known=()) -> list[bytes]:
-    """Chained hashes of the *full* blocks of ``token_ids``: hash i covers tokens 0 .. (i+1)*block_size - 1.
-
-    ``known`` are hashes already computed for the first blocks (they are kept, not recomputed).
-    """
-    hashes = list(known)
-    for i in range(len(hashes), len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block, extra_keys))
-    return hashes
-
-
-def blocks_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-@dataclass(eq=False)
-class Block:
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-    token_ids: tuple = field(default=(), repr=False)  # kept with the hash to rule out collisions
-
-    def __repr__(self) -> str:
-        cached = "" if self.block_hash is None else f", hash={self.block_hash.hex()[:8]}"
-        return f"Block({self.block_id}, ref={self.ref_cnt}{cached})"
+def append_slot(table: list[int], num_tokens: int, block_size: int, pool):
+    """Make room for the token at position ``num_tokens`` (the table holds ``num_tokens`` tokens); return
+    ``(src, dst)`` when a shared, partly filled last block must be copied first (copy-on-write), else None."""
+    if num_tokens % block_size == 0:
+        table.append(pool.allocate())
+        return None
+    last = table[-1]
+    if pool.ref_count(last) == 1:
+        return None  # ours alone: write in place
+    private = pool.allocate()
+    pool.free(last)  # this table's reference moves to the copy; the others keep the shared block
+    table[-1] = private
+    return (last, private)
 
 
-class BlockPool:
-    """All physical blocks, the free queue (LRU order) and the prefix-hash index."""
+def free_table(table: list[int], pool) -> None:
+    """Drop this table's references, tail first (the ends of prefix chains are evicted first)."""
+    for b in reversed(table):
+        pool.free(b)
+    table.clear()
 
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
-        # hash -> the blocks holding that prefix block (two requests prefilled in the same step can
-        # compute the same block twice; both copies stay findable until evicted)
-        self.cached: dict[bytes, dict[int, Block]] = {}
-        self.num_evictions = 0
 
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
+def longest_cached_prefix(token_ids, block_size: int, cache, extra_keys=None) -> list[int]:
+    """Block ids of the longest run of cached full blocks from the start, capped at len - 1 tokens (the
+    last prompt token must run through the model so there are logits to sample from)."""
+    hit = []
+    for h in hash_chain(token_ids[: len(token_ids) - 1], block_size, extra_keys):
+        b = cache.lookup(h)
+        if b is None:
+            break
+        hit.append(b)
+    return hit
 
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
 
-    def allocate(self) -> Block:
-        """Take the least recently freed block; forget the prefix it held (its hash is stale now)."""
-        if not self.free_queue:
-            raise RuntimeError("no free KV blocks")
-        _, block = self.free_queue.popitem(last=False)
-        if block.block_hash is not None:
-            holders = self.cached.get(block.block_hash, {})
-            holders.pop(block.block_id, None)
-            if not holders:
-                self.cached.pop(block.block_hash, None)
-            block.block_hash, block.token_ids = None, ()
-            self.num_evictions += 1
-        block.ref_cnt = 1
-        return block
+# -- stage 2: a block table per sequence -------------------------------------------------------------
+class BlockTables:
+    """One block table per sequence (any hashable id), grown a block at a time, all or nothing, from
+    ``allocator`` (anything with ``allocate()``, ``free(block_id)`` and ``num_free``)."""
 
-    def touch(self, block: Block) -> None:
-        """One more table refers to ``block`` (a cache hit or a fork)."""
-        if block.ref_cnt == 0:
-            del self.free_queue[block.block_id]
-        block.ref_cnt += 1
+    def __init__(self, allocator, block_size: int):
+        self.allocator, self.block_size = allocator, block_size
+        self.tables: dict = {}
 
-    def release(self, blocks) -> None:
-        """Drop one reference from each block, in the order given. An unreferenced block with a hash
-        joins the queue's tail (the LRU end: kept longest); one without a hash holds nothing worth
-        keeping and goes to the head, to be reused first (vLLM v1's ``free_blocks``)."""
-        for block in blocks:
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of block {block.block_id}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block.block_id] = block
-                if block.block_hash is None:
-                    self.free_queue.move_to_end(block.block_id, last=False)
+    def block_ids(self, seq_id) -> list[int]:
+        return list(self.tables.get(seq_id, ()))
 
-    def register(self, block: Block, block_hash: bytes, token_ids: tuple) -> None:
-        block.block_hash, block.token_ids = block_hash, token_ids
-        self.cached.setdefault(block_hash, {})[block.block_id] = block
+    def allocate_slots(self, seq_id, num_tokens: int) -> bool:
+        """Make the table hold ``num_tokens`` tokens in total; False (and no change) if blocks are short."""
+        table = self.tables.get(seq_id, [])
+        need = blocks_needed(num_tokens, self.block_size) - len(table)
+        if need > self.allocator.num_free:
+            return False
+        self.tables[seq_id] = table
+        for _ in range(need):
+            table.append(self.allocator.allocate())
+        return True
 
-    def lookup(self, block_hash: bytes, token_ids: tuple) -> Block | None:
-        holders = self.cached.get(block_hash)
-        if not holders:
-            return None
-        block = next(iter(holders.values()))
-        if block.token_ids != token_ids:  # a hash collision would be caught here
-            return None
-        return block
+    def free(self, seq_id) -> None:
+        free_table(self.tables.pop(seq_id, []), self.allocator)
 
-    @property
-    def num_cached(self) -> int:
-        """Blocks findable by hash (in use or waiting in the free queue)."""
-        return sum(len(h) for h in self.cached.values())
+    def slots(self, seq_id, positions) -> list[int]:
+        return slot_mapping(self.tables.get(seq_id, []), positions, self.block_size)
 
 
 class BlockManager:
     """Block tables for sequences: allocation as they grow, sharing, copy-on-write, prefix caching.
 
-    Implements ``tinypaged.interfaces.KVCacheManager``. ``copy_block(src, dst)`` and the swap
-    callbacks are supplied by the engine: they move the actual tensors. The manager only decides
-    *which* blocks; it never touches KV data itself.
+    Implements ``tinypaged.interfaces.KVCacheManager``. ``copy_block(src, dst)`` and the swap callbacks
+    are supplied by the engine: they move the actual tensors. The manager only decides *which* blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  copy_block=None, num_cpu_blocks: int = 0, max_model_len: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_tables = BlockTables(self.pool, block_size)
+        self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.max_model_len = max_model_len
         self.copy_block = copy_block or (lambda src, dst: None)
-        self.tables: dict[int, list[Block]] = {}  # seq_id -> its blocks (logical order)
         self.hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full blocks, as far as known
-        self.cpu_free = list(range(num_cpu_blocks))
-        self.cpu_ref: dict[int, int] = {}  # CPU block -> how many swapped tables point at it
-        self.swapped: dict[int, list[int]] = {}  # seq_id -> CPU block ids holding its KV
+        self.swap = SwapSpace(num_cpu_blocks)
         self.num_cow_copies = 0
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
@@ -197,43 +154,16 @@ class BlockManager:
         """vLLM's KV usage, O(1): 1 - free / total."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_needed(num_tokens, self.block_size)
-
     def max_tokens_needed(self, seq) -> int:
         """Blocks are allocated as a sequence grows: it never needs room for more than its longest length."""
         return seq.max_total_tokens(self.max_model_len or len(seq) + (seq.params.max_tokens or 0))
 
     # -- prefix caching -----------------------------------------------------------------
-    def _full_block_hashes(self, seq, num_tokens: int, memo: bool = True) -> list[bytes]:
-        """Chained hashes of the full blocks among the first ``num_tokens`` tokens.
-
-        Memoised per sequence while it holds blocks (``free`` drops the memo); a mere lookup for a
-        waiting sequence (``memo=False``) leaves nothing behind, so nothing leaks if it never runs.
-        """
-        known = self.hashes.get(seq.seq_id, [])
-        hashes = hash_chain(seq.token_ids[:num_tokens], self.block_size, getattr(seq, "extra_keys", None), known)
-        if memo and len(hashes) > len(known):
-            self.hashes[seq.seq_id] = hashes
-        return hashes[: num_tokens // self.block_size]
-
-    def get_computed_blocks(self, seq) -> list[Block]:
-        """The longest cached prefix of ``seq``'s known tokens, in whole blocks.
-
-        The hit is capped at ``len(seq) - 1`` tokens: the last token must run through the model
-        so there are logits to sample from, even when the whole prompt is cached.
-        """
+    def get_computed_blocks(self, seq) -> list[int]:
+        """The longest cached prefix of ``seq``'s known tokens, in whole blocks (none while it holds blocks)."""
         if not self.enable_prefix_caching or self.tables.get(seq.seq_id):
             return []
-        tokens = seq.token_ids
-        found = []
-        bs = self.block_size
-        for i, h in enumerate(self._full_block_hashes(seq, len(seq) - 1, memo=False)):
-            block = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
-            if block is None:
-                break
-            found.append(block)
-        return found
+        return longest_cached_prefix(seq.token_ids, self.block_size, self.pool, getattr(seq, "extra_keys", None))
 
     def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
         """Count a new request's lookup, in tokens (vLLM's hit rate); nothing when caching is off."""
@@ -242,28 +172,41 @@ class BlockManager:
         self.prefix_queries += len(seq)
         self.prefix_hits += num_hit_tokens
 
+    def _register_full_blocks(self, seq, num_tokens: int) -> None:
+        """Publish the hash of every block this step fills: its tokens are known, its KV is written by this
+        step's forward before any later step (or later attention layer) can read it. Hashes are memoised
+        per sequence while it holds blocks."""
+        known = self.hashes.get(seq.seq_id, [])
+        full = min(num_tokens, len(seq)) // self.block_size
+        if full <= len(known):
+            return
+        hashes = self.hashes[seq.seq_id] = hash_chain(seq.token_ids[: full * self.block_size], self.block_size,
+                                                      getattr(seq, "extra_keys", None), known)
+        table = self.tables[seq.seq_id]
+        for i in range(len(known), full):
+            if self.pool.hash_of.get(table[i]) is None:
+                self.pool.register(table[i], hashes[i])
+
     # -- allocation ---------------------------------------------------------------------
-    def _cow_needed(self, table: list[Block], num_computed: int) -> bool:
-        """Appending at ``num_computed`` writes into the last block: is that block shared?"""
-        return bool(table) and num_computed % self.block_size != 0 and table[-1].ref_cnt > 1 \
-            and num_computed // self.block_size == len(table) - 1
+    def _copy_on_write(self, table: list[int], start: int) -> bool:
+        """Does the token at ``start`` land in the table's last block while another table shares it?"""
+        return start % self.block_size != 0 and len(table) == blocks_needed(start, self.block_size) \
+            and self.pool.ref_count(table[-1]) > 1
 
     def can_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
-        table = self.tables.get(seq.seq_id, [])
-        num_computed = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        need = self.blocks_for(num_computed + num_new_tokens) - len(table) - len(computed_blocks)
-        need += self._cow_needed(table, num_computed)
-        # Cached blocks sitting in the free queue stop being free once this sequence takes them.
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        return max(need, 0) + reclaimed <= self.pool.num_free
+        table = self.tables.get(seq.seq_id, ())
+        start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
+        need = blocks_needed(start + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
+        if num_new_tokens and self._copy_on_write(table, start):
+            need += 1
+        if computed_blocks:  # cached blocks sitting in the free queue stop being free once taken
+            return max(need, 0) + sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0) <= self.pool.num_free
+        return need <= self.pool.num_free
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
-        """Make room for ``num_new_tokens`` tokens of ``seq`` after its computed ones; False (and no
-        change) if blocks are short.
-
-        ``computed_blocks`` (from ``get_computed_blocks``) join the table first: the new tokens
-        start after them. ``seq`` itself is not changed (the scheduler advances its progress).
-        """
+        """Make room for ``num_new_tokens`` tokens of ``seq`` after its computed ones; False (and no change)
+        if blocks are short. ``computed_blocks`` (from ``get_computed_blocks``) join the table first: the
+        new tokens start after them. ``seq`` itself is not changed (the scheduler advances its progress)."""
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
         table = self.tables.setdefault(seq.seq_id, [])
@@ -271,110 +214,62 @@ class BlockManager:
             self.pool.touch(block)
             table.append(block)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
-        if self._cow_needed(table, start):
-            shared = table[-1]
-            private = self.pool.allocate()
-            self.copy_block(shared.block_id, private.block_id)  # done now, before the forward reads it
-            self.pool.release([shared])
-            table[-1] = private
-            self.num_cow_copies += 1
-        while len(table) < self.blocks_for(start + num_new_tokens):
-            table.append(self.pool.allocate())
+        end = start + num_new_tokens
+        if num_new_tokens and len(table) == blocks_needed(start, self.block_size):
+            copy = append_slot(table, start, self.block_size, self.pool)  # the first new token's block
+            if copy is not None:
+                self.copy_block(*copy)  # done now, before the forward reads it
+                self.num_cow_copies += 1
+        if len(table) < blocks_needed(end, self.block_size):
+            self.block_tables.allocate_slots(seq.seq_id, end)
         if self.enable_prefix_caching:
-            self._register_full_blocks(seq, start + num_new_tokens)
+            self._register_full_blocks(seq, end)
         return True
-
-    def _register_full_blocks(self, seq, num_tokens: int) -> None:
-        """Publish the hash of every block this step fills: its tokens are known, its KV is written
-        by this step's forward before any later step (or later attention layer) can read it."""
-        table = self.tables[seq.seq_id]
-        tokens = seq.token_ids
-        bs = self.block_size
-        for i, h in enumerate(self._full_block_hashes(seq, min(num_tokens, len(tokens)))):
-            block = table[i]
-            if block.block_hash is None:
-                self.pool.register(block, h, tuple(tokens[i * bs:(i + 1) * bs]))
 
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts go up; nothing is copied)."""
-        blocks = self.tables.get(parent.seq_id, [])
-        for block in blocks:
-            self.pool.touch(block)
-        self.tables[child.seq_id] = list(blocks)
+        self.tables[child.seq_id] = fork_table(self.tables.get(parent.seq_id, []), self.pool)
         self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
 
     def free(self, seq) -> None:
         """Release ``seq``'s blocks, tail first (see the eviction-order invariant above)."""
-        blocks = self.tables.pop(seq.seq_id, [])
-        self.pool.release(reversed(blocks))
+        self.block_tables.free(seq.seq_id)
         self.hashes.pop(seq.seq_id, None)
-        for cpu in self.swapped.pop(seq.seq_id, []):  # a swapped-out sequence that is aborted
-            self._release_cpu(cpu)
+        self.swap.drop(seq.seq_id)  # a swapped-out sequence that is aborted
 
-    # -- swapping (preemption_mode="swap", vLLM v0) ----------------------------------------
-    # A request's sequences swap out and in together, so blocks shared by siblings move once and
-    # stay shared (v0 swapped whole sequence groups).
-    def _distinct(self, tables) -> list:
-        seen: dict[int, object] = {}
-        for table in tables:
-            for b in table:
-                seen.setdefault(b if isinstance(b, int) else b.block_id, b)
-        return list(seen.values())
+    # -- swapping (preemption_mode="swap", vLLM v0; tinypaged.swap_space) ------------------
+    @property
+    def cpu_free(self) -> list[int]:
+        return self.swap.cpu_free
 
     def can_swap_out(self, seqs) -> bool:
-        return len(self._distinct(self.tables.get(s.seq_id, []) for s in seqs)) <= len(self.cpu_free)
+        return self.swap.can_swap_out(self.tables.get(s.seq_id, []) for s in seqs)
 
     def swap_out(self, seqs, copy_to_cpu) -> None:
-        blocks = self._distinct(self.tables.get(s.seq_id, []) for s in seqs)
-        to_cpu = {b.block_id: self.cpu_free.pop() for b in blocks}
-        copy_to_cpu(list(to_cpu), list(to_cpu.values()))
+        self.swap.swap_out({s.seq_id: self.tables.get(s.seq_id, []) for s in seqs}, copy_to_cpu)
         for s in seqs:
-            table = self.tables.pop(s.seq_id, [])
-            self.swapped[s.seq_id] = [to_cpu[b.block_id] for b in table]
-            for b in table:
-                self.cpu_ref[to_cpu[b.block_id]] = self.cpu_ref.get(to_cpu[b.block_id], 0) + 1
-            self.pool.release(reversed(table))
+            self.block_tables.free(s.seq_id)
+            self.hashes.pop(s.seq_id, None)  # its blocks come back unhashed: registered again on growth
 
     def can_swap_in(self, seqs, num_new_tokens: int = 1) -> bool:
         """Room for the swapped blocks plus what each sequence's next ``num_new_tokens`` need (and a
         copy-on-write), so the allocation right after swapping in cannot fail."""
-        distinct = self._distinct(self.swapped.get(s.seq_id, []) for s in seqs)
-        grow = sum(max(self.blocks_for(s.num_computed_tokens + num_new_tokens) - len(self.swapped.get(s.seq_id, [])), 0)
-                   + 1 for s in seqs)
-        return len(distinct) + grow <= self.pool.num_free
+        grow = sum(max(blocks_needed(s.num_computed_tokens + num_new_tokens, self.block_size)
+                       - len(self.swap.swapped.get(s.seq_id, [])), 0) + 1 for s in seqs)
+        return len(self.swap.blocks_of([s.seq_id for s in seqs])) + grow <= self.pool.num_free
 
     def swap_in(self, seqs, copy_to_gpu) -> None:
-        cpu_ids = self._distinct(self.swapped.get(s.seq_id, []) for s in seqs)
-        to_gpu = {c: self.pool.allocate() for c in cpu_ids}  # ref_cnt 1 each
-        copy_to_gpu(cpu_ids, [to_gpu[c].block_id for c in cpu_ids])
-        first_use = set(cpu_ids)
-        for s in seqs:
-            table = []
-            for c in self.swapped.pop(s.seq_id):
-                if c in first_use:
-                    first_use.discard(c)
-                else:
-                    self.pool.touch(to_gpu[c])  # a sibling already holds it: share again
-                table.append(to_gpu[c])
-                self._release_cpu(c)
-            self.tables[s.seq_id] = table
-
-    def _release_cpu(self, cpu_block: int) -> None:
-        self.cpu_ref[cpu_block] -= 1
-        if self.cpu_ref[cpu_block] == 0:
-            del self.cpu_ref[cpu_block]
-            self.cpu_free.append(cpu_block)
+        self.tables.update(self.swap.swap_in([s.seq_id for s in seqs], self.pool, copy_to_gpu))
 
     # -- addressing and accounting ------------------------------------------------------
     def block_ids(self, seq) -> list[int]:
-        return [b.block_id for b in self.tables.get(seq.seq_id, ())]
+        return self.block_tables.block_ids(seq.seq_id)
 
     def slot_mapping(self, seq, start: int, end: int) -> list[int]:
-        table, bs = self.tables[seq.seq_id], self.block_size
-        return [table[p // bs].block_id * bs + p % bs for p in range(start, end)]
+        return slot_mapping(self.tables[seq.seq_id], range(start, end), self.block_size)
 
     def stats(self) -> dict:
-        """Counters are O(1); the sharing figures scan every table and block (call on demand, not per step)."""
+        """Counters are O(1); the sharing figures scan every table (call on demand, not per step)."""
         used = self.pool.num_blocks - self.pool.num_free
         return {
             "kv_num_blocks": self.pool.num_blocks,
@@ -382,7 +277,7 @@ class BlockManager:
             "kv_blocks_used": used,
             "kv_blocks_free": self.pool.num_free,
             "kv_cache_usage": self.usage,
-            "kv_blocks_shared": sum(1 for b in self.pool.blocks if b.ref_cnt > 1),
+            "kv_blocks_shared": sum(1 for c in self.pool.refcounts.values() if c > 1),
             "kv_blocks_cached": self.pool.num_cached,
             # without sharing every table would own its blocks: the sum of table lengths
             "kv_blocks_unshared": sum(len(blocks) for blocks in self.tables.values()),

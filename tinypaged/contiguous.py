@@ -11,13 +11,11 @@ Placement is first-fit over the free holes, so external fragmentation is real: t
 have enough free tokens in total and still no hole large enough for the next request.
 
 The engine knows a request's final length only as ``prompt + max_tokens`` (it cannot see the
-future); the trace simulator in ``tinypaged.lab.memory_sim`` knows the true lengths.
+future); the trace replay in ``tinypaged.lab.memory_sim`` sets ``max_tokens`` to each request's true
+output length, so there the reservation policies see the true lengths.
 """
 
 from __future__ import annotations
-
-import bisect
-from dataclasses import dataclass
 
 import torch
 
@@ -62,63 +60,68 @@ def first_fit(holes: list[tuple[int, int]], size: int) -> int | None:
     return None
 
 
-@dataclass
-class Region:
-    start: int
-    size: int
-    owner: object
+class ContiguousAllocator:
+    """One contiguous region per sequence (any hashable id), placed first-fit, sized by the reservation
+    policy from the final length it is told. The stage-1 assignment's allocator, and the engine's.
 
-
-class ContiguousArena:
-    """A 1-D arena of ``capacity`` token slots; regions are placed first-fit and never move.
-
-    Invariant: ``regions`` is sorted by start and no two regions overlap; everything else is free.
+    Invariant: regions never overlap and never move; everything outside them is free.
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, policy: str, max_model_len: int):
         if capacity < 1:
             raise ValueError(f"The KV arena needs at least one token of capacity, got {capacity}")
-        self.capacity = capacity
-        self.regions: list[Region] = []
+        reservation_tokens(policy, 1, max_model_len)  # an unknown policy raises here
+        self.capacity, self.policy, self.max_model_len = capacity, policy, max_model_len
+        self.regions: dict = {}  # seq_id -> (start, size, final_len)
+        self.reserved = 0  # slots covered by regions, kept so usage is O(1)
 
     def holes(self) -> list[tuple[int, int]]:
         """Free gaps as (start, size), in address order."""
-        return free_holes([(r.start, r.size) for r in self.regions], self.capacity)
+        return free_holes(sorted((s, n) for s, n, _ in self.regions.values()), self.capacity)
 
-    def first_fit(self, size: int) -> int | None:
-        return first_fit(self.holes(), size)
-
-    def allocate(self, size: int, owner: object) -> int | None:
-        """Reserve ``size`` contiguous slots; None when no single hole is large enough."""
-        start = self.first_fit(size)
-        if start is None:
-            return None
-        region = Region(start, size, owner)
-        bisect.insort(self.regions, region, key=lambda r: r.start)
+    def allocate(self, seq_id, final_len: int) -> int | None:
+        """Reserve a region for ``final_len`` tokens; its start, or None (and no change) when no hole fits."""
+        if seq_id in self.regions:
+            raise ValueError(f"sequence {seq_id} already holds a region")
+        size = reservation_tokens(self.policy, final_len, self.max_model_len)
+        start = first_fit(self.holes(), size)
+        if start is not None:
+            self.regions[seq_id] = (start, size, final_len)
+            self.reserved += size
         return start
 
-    def free(self, owner: object) -> None:
-        """Release ``owner``'s region; its slots merge with any neighbouring holes (regions never move)."""
-        self.regions = [r for r in self.regions if r.owner is not owner]
+    def free(self, seq_id) -> None:
+        """Release the region; its slots merge with any neighbouring holes (the other regions stay put)."""
+        _, size, _ = self.regions.pop(seq_id)
+        self.reserved -= size
 
-    @property
-    def reserved(self) -> int:
-        return sum(r.size for r in self.regions)
+    def slot(self, seq_id, position: int) -> int:
+        start, size, _ = self.regions[seq_id]
+        if not 0 <= position < size:
+            raise IndexError(f"position {position} is outside sequence {seq_id}'s reservation of {size}")
+        return start + position
 
-    @property
-    def free_tokens(self) -> int:
-        return self.capacity - self.reserved
-
-    @property
-    def largest_hole(self) -> int:
-        return max((size for _, size in self.holes()), default=0)
+    def usage(self, written: dict) -> dict:
+        """Where the slots go, given how many tokens each sequence has written:
+        reserved = token_states + reservation_waste + internal_fragmentation."""
+        will_hold = sum(min(final, size) for _, size, final in self.regions.values())
+        states = sum(written.get(seq_id, 0) for seq_id in self.regions)
+        return {
+            "reserved": self.reserved,
+            "token_states": states,
+            "reservation_waste": will_hold - states,
+            "internal_fragmentation": self.reserved - will_hold,
+            "free": self.capacity - self.reserved,
+            "largest_hole": max((n for _, n in self.holes()), default=0),
+        }
 
 
 class ContiguousKVManager:
-    """The engine's stage-1 KV manager: one reserved region per sequence, slot = start + position.
+    """The engine's stage-1 KV manager: a ``ContiguousAllocator`` region per sequence, slot = start + position.
 
     Implements ``tinypaged.interfaces.KVCacheManager`` with blocks of one token. It alone owns the
-    regions (``region(seq)``); it never changes a sequence.
+    regions (``region(seq)``); it never changes a sequence. A sequence's final length, as far as the
+    engine can know it, is ``prompt + max_tokens`` (capped at ``max_model_len``).
     """
 
     block_size = 1
@@ -126,12 +129,10 @@ class ContiguousKVManager:
     def __init__(self, capacity_tokens: int, policy: str, max_model_len: int):
         if policy not in POLICIES:
             raise ValueError(f"Unknown reservation policy {policy!r}; choose one of {POLICIES}")
-        self.arena = ContiguousArena(capacity_tokens)
+        self.allocator = ContiguousAllocator(capacity_tokens, policy, max_model_len)
         self.policy = policy
         self.max_model_len = max_model_len
-        self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (start, reserved tokens)
-        self.live: dict[int, object] = {}
-        self._reserved = 0
+        self.live: dict[int, object] = {}  # seq_id -> the sequence holding a region
 
     @classmethod
     def from_spec(cls, spec) -> "ContiguousKVManager":
@@ -139,65 +140,58 @@ class ContiguousKVManager:
 
     @property
     def capacity_tokens(self) -> int:
-        return self.arena.capacity
+        return self.allocator.capacity
 
     @property
     def usage(self) -> float:
-        return self._reserved / self.arena.capacity
+        return self.allocator.reserved / self.allocator.capacity
 
-    def reservation_for(self, seq) -> int:
-        return reservation_tokens(self.policy, seq.max_total_tokens(self.max_model_len), self.max_model_len)
+    def final_len(self, seq) -> int:
+        return seq.max_total_tokens(self.max_model_len)
 
     def max_tokens_needed(self, seq) -> int:
-        return self.reservation_for(seq)
+        return reservation_tokens(self.policy, self.final_len(seq), self.max_model_len)
 
     def region(self, seq) -> tuple[int, int] | None:
-        return self.regions.get(seq.seq_id)
+        """(start, reserved tokens) of ``seq``'s region, or None."""
+        region = self.allocator.regions.get(seq.seq_id)
+        return None if region is None else region[:2]
 
     def get_computed_blocks(self, seq) -> list:
         return []  # no prefix caching in stage 1
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         """Reserve the region on first call; later calls only check the reservation holds the tokens."""
-        region = self.regions.get(seq.seq_id)
-        if region is None:
-            size = self.reservation_for(seq)
-            start = self.arena.allocate(size, seq)
-            if start is None:
+        if seq.seq_id not in self.allocator.regions:
+            if self.allocator.allocate(seq.seq_id, self.final_len(seq)) is None:
                 return False
-            region = self.regions[seq.seq_id] = (start, size)
             self.live[seq.seq_id] = seq
-            self._reserved += size
-        if seq.num_computed_tokens + num_new_tokens > region[1]:
-            raise RuntimeError(f"sequence {seq.seq_id} outgrew its contiguous reservation of {region[1]} tokens")
+        size = self.allocator.regions[seq.seq_id][1]
+        if seq.num_computed_tokens + num_new_tokens > size:
+            raise RuntimeError(f"sequence {seq.seq_id} outgrew its contiguous reservation of {size} tokens")
         return True
 
     def free(self, seq) -> None:
-        region = self.regions.pop(seq.seq_id, None)
-        if region is not None:
-            self.arena.free(seq)
-            self.live.pop(seq.seq_id, None)
-            self._reserved -= region[1]
+        if self.live.pop(seq.seq_id, None) is not None:
+            self.allocator.free(seq.seq_id)
 
     def slot_mapping(self, seq, start: int, end: int) -> list[int]:
-        base = self.regions[seq.seq_id][0]
+        base = self.allocator.slot(seq.seq_id, 0)
         return list(range(base + start, base + end))
 
     def context_slots(self, seqs, context_len: int) -> torch.Tensor:
-        starts = torch.tensor([self.regions[s.seq_id][0] for s in seqs])
+        starts = torch.tensor([self.allocator.slot(s.seq_id, 0) for s in seqs])
         return starts[:, None] + torch.arange(context_len)
 
     def stats(self) -> dict:
-        used = sum(s.num_computed_tokens for s in self.live.values())  # slots whose K/V are written
-        final = sum(min(s.max_total_tokens(self.max_model_len), self.regions[i][1]) for i, s in self.live.items())
-        reserved = self._reserved
+        u = self.allocator.usage({i: s.num_computed_tokens for i, s in self.live.items()})  # slots written
         return {
-            "kv_capacity_tokens": self.arena.capacity,
-            "kv_token_states": used,
-            "kv_reserved_tokens": reserved,
-            "kv_reservation_waste": final - used,  # held for tokens not generated yet
-            "kv_internal_fragmentation": reserved - final,  # held beyond the final length, never used
-            "kv_free_tokens": self.arena.capacity - reserved,
-            "kv_largest_hole": self.arena.largest_hole,
+            "kv_capacity_tokens": self.allocator.capacity,
+            "kv_token_states": u["token_states"],
+            "kv_reserved_tokens": u["reserved"],
+            "kv_reservation_waste": u["reservation_waste"],  # held for tokens not generated yet
+            "kv_internal_fragmentation": u["internal_fragmentation"],  # held beyond the final length, never used
+            "kv_free_tokens": u["free"],
+            "kv_largest_hole": u["largest_hole"],
             "kv_cache_usage": self.usage,
         }

@@ -68,19 +68,16 @@ def memory_shares(trace, capacity_tokens: int, kv_cache: str = "paged", policy: 
     """Replay ``trace`` once (``memory_sim.replay``) and average the token-state share both ways."""
     steps = busy = 0
     whole = busy_sum = expected = worst = 0.0
-    for alloc, running, waiting in memory_sim.replay(trace, capacity_tokens, kv_cache, policy, block_size,
-                                                      max_model_len):
-        a = alloc.account(running)
-        share = a["tokens"] / alloc.capacity
+    for a in memory_sim.replay(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+        share = a.tokens / a.capacity
         steps += 1
         whole += share
-        if waiting:
+        if a.waiting:
             busy += 1
             busy_sum += share
-            if a["tokens"]:
-                live = len(running)
-                expected += a["tokens"] / (a["tokens"] + live * (block_size - 1) / 2)
-                worst += a["tokens"] / (a["tokens"] + live * (block_size - 1))
+            if a.tokens:
+                expected += a.tokens / (a.tokens + a.resident * (block_size - 1) / 2)
+                worst += a.tokens / (a.tokens + a.resident * (block_size - 1))
     paged = kv_cache == "paged"
     b = max(busy, 1)
     return MemoryShares(steps, busy, busy_sum / b, whole / max(steps, 1),

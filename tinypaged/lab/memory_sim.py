@@ -1,11 +1,19 @@
-"""Replay a trace through a KV allocator, step by step, and account for every token slot.
+"""Replay a trace through the engine's own scheduler and KV cache manager, and account for every slot.
 
-This is the measurement behind the vLLM paper's Figure 2, without running a model. All requests
-are queued at the start (arrival order = request id). Each step admits waiting requests first-come
-first-served while memory allows (the head of the queue blocks the rest), every running request
-grows by one token, and finished ones leave. Under paging a request that cannot get its next block
-preempts the most recently admitted one (recompute, as vLLM does). At every step in which someone
-is waiting, the arena's slots are split into five parts that add up to the whole arena:
+This is the measurement behind the vLLM paper's Figure 2, without running a model: ``ModelFreeEngine``
+(``tinypaged.lab.simulator``) builds the real ``Scheduler`` and the real ``ContiguousKVManager`` or
+``BlockManager``, and each step stands in for the forward (every scheduled token is computed, every
+sequence whose prompt is done gets a dummy token). All requests are queued at the start (arrival
+order = request id) and each asks for exactly its trace output length (``max_tokens``, ``ignore_eos``),
+so the contiguous policies reserve from the true final length. The engine's own rules then apply:
+running requests first, then first-come-first-served admission while memory allows (the head of the
+queue blocks the rest), and under paging a request that cannot get its next block preempts the most
+recently admitted one (recompute, vLLM v1). Whole prompts are prefilled at once (no chunking) and no
+token budget or ``max_num_seqs`` binds: memory is the only limit.
+
+At every step in which someone is waiting, the arena's slots are split into five parts that add up to
+the whole arena, counted once the scheduler has decided the step (after admission and allocation,
+counting the keys and values this step's forward writes):
 
 * token states   - slots holding a token's keys and values (the useful part),
 * reservation    - reserved for tokens the request will produce later (contiguous only),
@@ -14,8 +22,8 @@ is waiting, the arena's slots are split into five parts that add up to the whole
 * external frag. - free slots while the request at the head of the queue waits although the free
                    slots add up to its reservation: no single hole is large enough (contiguous only;
                    with equal-sized blocks every free block is usable),
-* free           - free slots while the head request waits because even all of them together are
-                   too few for it (headroom that the running requests' growth will use up).
+* free           - any other free slots while the head request waits (too few for it, or, paged, a
+                   step that preempted and so admits nothing).
 
 Averages are taken over these "busy" steps, when memory is what limits the batch: the tail of the
 run, when the queue is empty and the last requests drain, says nothing about the allocator.
@@ -26,11 +34,10 @@ vLLM, 96.3% with it).
 
 from __future__ import annotations
 
-from collections import deque
+import functools
 from dataclasses import dataclass
 
-from tinypaged.block_manager import BlockPool, blocks_needed
-from tinypaged.contiguous import ContiguousArena, reservation_tokens
+from tinypaged.lab.serving import quiet
 from tinypaged.lab.workloads import TraceRequest
 
 # Slot states in a memory map (``memory_map``): one small integer per token slot.
@@ -55,175 +62,116 @@ class MemoryReport:
     preemptions: int = 0
 
 
-class _ContiguousPolicy:
-    """One first-fit region per request, sized by the reservation policy from the TRUE final length."""
+@dataclass(frozen=True)
+class StepAccount:
+    """One step's memory, in slots: ``tokens + reservation + internal == allocated <= capacity``."""
 
-    def __init__(self, capacity: int, policy: str, max_model_len: int):
-        self.arena = ContiguousArena(capacity)
-        self.capacity = capacity
-        self.policy, self.max_model_len = policy, max_model_len
-        self.reserved: dict[int, int] = {}
-
-    def need(self, req: TraceRequest, length: int) -> int:
-        return reservation_tokens(self.policy, req.total_len, self.max_model_len)
-
-    def admit(self, req: TraceRequest, length: int) -> bool:
-        size = self.need(req, length)
-        if self.arena.allocate(size, req) is None:
-            return False
-        self.reserved[req.request_id] = size
-        return True
-
-    def grow(self, req: TraceRequest, length: int) -> bool:
-        return True  # the region was reserved for the whole request
-
-    def free(self, req: TraceRequest) -> None:
-        self.arena.free(req)
-        del self.reserved[req.request_id]
-
-    def account(self, running: dict[int, tuple[TraceRequest, int]]) -> dict:
-        tokens = sum(length for _, length in running.values())
-        final = sum(min(r.total_len, self.reserved[r.request_id]) for r, _ in running.values())
-        reserved = sum(self.reserved.values())
-        return {"tokens": tokens, "reservation": final - tokens, "internal": reserved - final, "allocated": reserved}
-
-    def slot_map(self, running) -> list[int]:
-        slots = [FREE] * self.capacity
-        for region in self.arena.regions:
-            req = region.owner
-            length = running[req.request_id][1]
-            final = min(req.total_len, region.size)
-            for i in range(region.size):
-                slots[region.start + i] = TOKEN if i < length else RESERVED if i < final else INTERNAL
-        return slots
+    capacity: int
+    tokens: int
+    reservation: int
+    internal: int
+    allocated: int
+    resident: int  # requests holding memory
+    waiting: int  # requests waiting (the step is "busy" when there are any)
+    scattered: bool  # the head request waits although the free slots add up to what it needs
 
 
-class _PagedPolicy:
-    """Blocks allocated one at a time as a request grows; waste is only each last block's tail."""
+def _engine(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+    from tinypaged.config import EngineConfig
+    from tinypaged.lab.simulator import ModelFreeEngine
 
-    def __init__(self, capacity: int, block_size: int):
-        self.pool = BlockPool(capacity // block_size)
-        self.block_size = block_size
-        self.capacity = self.pool.num_blocks * block_size
-        self.tables: dict[int, list] = {}
-
-    def need(self, req: TraceRequest, length: int) -> int:
-        return blocks_needed(length, self.block_size) * self.block_size
-
-    def _ensure(self, req: TraceRequest, length: int) -> bool:
-        table = self.tables.setdefault(req.request_id, [])
-        need = blocks_needed(length, self.block_size) - len(table)
-        if need > self.pool.num_free:
-            return False
-        table.extend(self.pool.allocate() for _ in range(need))
-        return True
-
-    def admit(self, req: TraceRequest, length: int) -> bool:
-        if blocks_needed(length, self.block_size) > self.pool.num_free:
-            return False
-        return self._ensure(req, length)
-
-    def grow(self, req: TraceRequest, length: int) -> bool:
-        return self._ensure(req, length)
-
-    def free(self, req: TraceRequest) -> None:
-        self.pool.release(reversed(self.tables.pop(req.request_id, [])))
-
-    def account(self, running) -> dict:
-        tokens = sum(length for _, length in running.values())
-        allocated = sum(len(t) for t in self.tables.values()) * self.block_size
-        return {"tokens": tokens, "reservation": 0, "internal": allocated - tokens, "allocated": allocated}
-
-    def slot_map(self, running) -> list[int]:
-        slots = [FREE] * self.capacity
-        for rid, table in self.tables.items():
-            length = running[rid][1]
-            for i, block in enumerate(table):
-                for j in range(self.block_size):
-                    slots[block.block_id * self.block_size + j] = TOKEN if i * self.block_size + j < length else INTERNAL
-        return slots
+    num_seqs = max(len(trace), 1)
+    config = EngineConfig(model="(memory replay)", device="cpu", kv_cache=kv_cache, reservation_policy=policy,
+                          block_size=block_size, kv_cache_tokens=capacity_tokens, max_model_len=max_model_len,
+                          max_num_seqs=num_seqs, max_num_batched_tokens=max(capacity_tokens, max_model_len, num_seqs),
+                          enable_chunked_prefill=False)
+    eng = ModelFreeEngine(config)
+    for r in trace:
+        eng.add(str(r.request_id), [1] * r.prompt_len, r.output_len, 0.0)
+    return eng
 
 
-def _make_allocator(capacity_tokens, kv_cache, policy, block_size, max_model_len):
-    if kv_cache == "paged":
-        return _PagedPolicy(capacity_tokens, block_size)
-    if kv_cache == "contiguous":
-        return _ContiguousPolicy(capacity_tokens, policy, max_model_len)
-    raise ValueError(f"kv_cache={kv_cache!r}: use 'contiguous' or 'paged'")
+def _steps(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+    """Run the engine; yields ``(engine, tokens after this step by seq_id, StepAccount)`` once per step."""
+    eng = _engine(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len)
+    kv, sched = eng.kv, eng.scheduler
+    contiguous = kv_cache == "contiguous"
+    with quiet():
+        while eng.has_unfinished():
+            batch, _ = eng.schedule(0.0)
+            tokens = {s.seq_id: s.num_computed_tokens for s in sched.running}
+            tokens.update({item[0].seq_id: item[1] + item[2] for item in batch})  # (seq, start, num_tokens, ...)
+            held = sum(tokens.values())
+            scattered = False
+            if contiguous:
+                u = kv.allocator.usage(tokens)
+                reservation, allocated = u["reservation_waste"], u["reserved"]
+                scattered = bool(sched.waiting) and u["free"] >= kv.max_tokens_needed(sched.waiting[0])
+            else:
+                reservation, allocated = 0, (kv.num_blocks - kv.num_free_blocks) * kv.block_size
+            yield eng, tokens, StepAccount(kv.capacity_tokens, held, reservation, allocated - held - reservation,
+                                           allocated, len(sched.running), len(sched.waiting), scattered)
+            eng.complete(0.0)
+
+
+@functools.lru_cache(maxsize=16)
+def _replayed(trace: tuple, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+    """Every step's account, and the preemptions (one replay per configuration: it is deterministic)."""
+    accounts, eng = [], None
+    for eng, _, account in _steps(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+        accounts.append(account)
+    return tuple(accounts), eng.num_preemptions if eng is not None else 0
 
 
 def replay(trace: list[TraceRequest], capacity_tokens: int, kv_cache: str = "paged", policy: str = "max",
            block_size: int = 16, max_model_len: int = 2048):
-    """Replay ``trace`` step by step; yields ``(allocator, running, waiting)`` once per step, after
-    admission and before the step's tokens are added (the moment the memory is accounted)."""
-    alloc = _make_allocator(capacity_tokens, kv_cache, policy, block_size, max_model_len)
-    for r in trace:
-        if alloc.need(r, r.total_len) > alloc.capacity:
-            raise ValueError(f"trace request {r.request_id} (needs {alloc.need(r, r.total_len)} tokens) can never "
-                             f"fit in {alloc.capacity} tokens")
-    alloc.preemptions = 0
-    waiting: deque[tuple[TraceRequest, int]] = deque((r, r.prompt_len) for r in trace)
-    running: dict[int, tuple[TraceRequest, int]] = {}  # insertion order = admission order
-    while waiting or running:
-        while waiting and alloc.admit(waiting[0][0], waiting[0][1] + 1):
-            req, length = waiting.popleft()
-            running[req.request_id] = (req, length + 1)  # the prefill step also yields the first token
-        yield alloc, running, waiting
-        for rid in list(running):
-            if rid not in running:  # preempted earlier in this step
-                continue
-            req, length = running[rid]
-            if length >= req.total_len:
-                alloc.free(req)
-                del running[rid]
-                continue
-            while not alloc.grow(req, length + 1):
-                victim_id = next(reversed(running))  # the most recently admitted request
-                victim, vlen = running.pop(victim_id)
-                alloc.free(victim)
-                waiting.appendleft((victim, vlen))  # recompute: keeps its tokens, frees its memory
-                alloc.preemptions += 1
-                if victim_id == rid:
-                    break
-            else:
-                running[rid] = (req, length + 1)
+    """Replay ``trace`` step by step through the engine; yields one ``StepAccount`` per step."""
+    yield from _replayed(tuple(trace), capacity_tokens, kv_cache, policy, block_size, max_model_len)[0]
 
 
 def simulate(trace: list[TraceRequest], capacity_tokens: int, kv_cache: str = "paged", policy: str = "max",
              block_size: int = 16, max_model_len: int = 2048, name: str | None = None) -> MemoryReport:
-    """Replay ``trace`` (all requests queued at the start) through one allocator of ``capacity_tokens``
-    and average the split of the arena over the busy steps (see the module docstring)."""
-    sums = dict(tokens=0.0, reservation=0.0, internal=0.0, external=0.0, free=0.0, util=0.0, resident=0.0,
-                theory=0.0)
-    steps = busy = 0
-    alloc = None
-    for alloc, running, waiting in replay(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
-        steps += 1
-        if not waiting:
-            continue
-        busy += 1
-        cap = alloc.capacity
-        a = alloc.account(running)
-        free = cap - a["allocated"]
-        head, head_len = waiting[0]
-        scattered = free >= alloc.need(head, head_len + 1)  # enough in total, but no hole fits
-        sums["tokens"] += a["tokens"] / cap
-        sums["reservation"] += a["reservation"] / cap
-        sums["internal"] += a["internal"] / cap
-        sums["external" if scattered else "free"] += free / cap
-        sums["util"] += a["tokens"] / a["allocated"] if a["allocated"] else 0.0
-        sums["resident"] += len(running)
-        expected_waste = len(running) * (block_size - 1) / 2
-        sums["theory"] += a["tokens"] / (a["tokens"] + expected_waste) if a["tokens"] else 0.0
-    b = max(busy, 1)
+    """Replay ``trace`` (all requests queued at the start) through the engine with ``capacity_tokens`` of KV
+    cache and average the split of the arena over the busy steps (see the module docstring)."""
+    accounts, preemptions = _replayed(tuple(trace), capacity_tokens, kv_cache, policy, block_size, max_model_len)
+    busy = [a for a in accounts if a.waiting]
+    b = max(len(busy), 1)
+    cap = accounts[0].capacity if accounts else capacity_tokens
+
+    def mean(f):
+        return sum(f(a) for a in busy) / b
+
     return MemoryReport(
         name=name or (f"paged (block {block_size})" if kv_cache == "paged" else f"contiguous {policy}"),
-        capacity_tokens=alloc.capacity, steps=steps, busy_steps=busy,
-        token_states=sums["tokens"] / b, reservation=sums["reservation"] / b,
-        internal_fragmentation=sums["internal"] / b, external_fragmentation=sums["external"] / b,
-        free=sums["free"] / b, utilization=sums["util"] / b, mean_resident=sums["resident"] / b,
-        theory_utilization=sums["theory"] / b if kv_cache == "paged" else None, preemptions=alloc.preemptions,
+        capacity_tokens=cap, steps=len(accounts), busy_steps=len(busy),
+        token_states=mean(lambda a: a.tokens / cap), reservation=mean(lambda a: a.reservation / cap),
+        internal_fragmentation=mean(lambda a: a.internal / cap),
+        external_fragmentation=mean(lambda a: (cap - a.allocated) / cap if a.scattered else 0.0),
+        free=mean(lambda a: 0.0 if a.scattered else (cap - a.allocated) / cap),
+        utilization=mean(lambda a: a.tokens / a.allocated if a.allocated else 0.0),
+        mean_resident=mean(lambda a: a.resident),
+        theory_utilization=mean(lambda a: a.tokens / (a.tokens + a.resident * (block_size - 1) / 2)
+                                if a.tokens else 0.0) if kv_cache == "paged" else None,
+        preemptions=preemptions,
     )
+
+
+def _slot_map(eng, tokens: dict) -> list[int]:
+    """The arena slot by slot: FREE, TOKEN, RESERVED or INTERNAL, from the KV manager's own state."""
+    kv = eng.kv
+    slots = [FREE] * kv.capacity_tokens
+    if eng.config.kv_cache == "contiguous":  # the regions
+        for seq_id, (start, size, final) in kv.allocator.regions.items():
+            held, final = tokens.get(seq_id, 0), min(final, size)
+            for i in range(size):
+                slots[start + i] = TOKEN if i < held else RESERVED if i < final else INTERNAL
+        return slots
+    bs = kv.block_size
+    for seq in eng.scheduler.running:  # paged: the block tables
+        for i, block in enumerate(kv.block_ids(seq)):
+            for j in range(bs):
+                slots[block * bs + j] = TOKEN if i * bs + j < tokens.get(seq.seq_id, 0) else INTERNAL
+    return slots
 
 
 def memory_map(trace: list[TraceRequest], capacity_tokens: int, kv_cache: str = "contiguous", policy: str = "max",
@@ -231,11 +179,11 @@ def memory_map(trace: list[TraceRequest], capacity_tokens: int, kv_cache: str = 
     """The arena slot by slot, one row per step: FREE, TOKEN, RESERVED, INTERNAL or EXTERNAL (free
     slots while the head request waits although they add up to its reservation). For plots."""
     rows = []
-    for alloc, running, waiting in replay(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
+    for eng, tokens, account in _steps(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len):
         if max_steps is not None and len(rows) >= max_steps:
             break
-        row = alloc.slot_map(running)
-        if waiting and row.count(FREE) >= alloc.need(waiting[0][0], waiting[0][1] + 1):
+        row = _slot_map(eng, tokens)
+        if account.scattered:
             row = [EXTERNAL if s == FREE else s for s in row]
         rows.append(row)
     return rows

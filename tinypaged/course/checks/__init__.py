@@ -81,7 +81,6 @@ class Check:
     expected: Callable[[int | None], list] | None = None  # expected outcomes without a reference impl
     trace: bool = True  # watch for calls into the forbidden code while the implementation runs
     uses: tuple[str, ...] = ()  # other learner names this check exercises (a serving check: all of a stage's)
-    legacy: bool = False  # an assert-style check function (the older API): one case, no hidden variant
 
     def cases(self, hidden: int | None = None) -> list[Case]:
         return self.make_cases(hidden)
@@ -102,34 +101,15 @@ STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06
 def register(stage: str, target: str, reference: Callable[[], object] | None = None, points: int = 1,
              forbidden: Callable[[], list] | None = None, expected=None, trace: bool = True, name: str | None = None,
              uses: tuple[str, ...] = ()):
-    """Decorator on a function ``cases(hidden) -> list[Case]``; the check is named after it (minus ``cases_``).
-
-    The older form, ``check_<name>(impl)`` raising AssertionError with a message, still registers: it
-    becomes one case whose outcome is whether its assertions hold (prefer cases: they can be verified
-    outside the learner's kernel step by step, and have hidden variants).
-    """
+    """Decorator on a function ``cases(hidden) -> list[Case]``; the check is named after it (minus ``cases_``)."""
 
     def wrap(fn):
-        legacy = fn.__name__.startswith("check_")
-        check_name = name or fn.__name__.removeprefix("cases_").removeprefix("check_")
-        make = _legacy_cases(fn) if legacy else fn
-        REGISTRY[check_name] = Check(check_name, stage, target, make, reference or (lambda: None), points,
-                                     forbidden, expected, trace, tuple(uses), legacy)
+        check_name = name or fn.__name__.removeprefix("cases_")
+        REGISTRY[check_name] = Check(check_name, stage, target, fn, reference or (lambda: None), points,
+                                     forbidden, expected, trace, tuple(uses))
         return fn
 
     return wrap
-
-
-def _legacy_cases(fn):
-    def run(impl, t):
-        try:
-            fn(impl)
-        except AssertionError as e:
-            t("the check's assertions", f"failed: {e}")
-            return
-        t("the check's assertions", "hold")
-
-    return lambda hidden: [Case("assertions", run)]
 
 
 def _load_all() -> None:

@@ -1,8 +1,7 @@
 """Stage 1 checks: reservation policies, free holes, first-fit, and a contiguous allocator with accounting.
 
-References: ``tinypaged.contiguous`` (``reservation_tokens``, ``free_holes``, ``first_fit``) and
-:class:`ContiguousAllocator` below, the learner-facing shape of ``ContiguousArena`` +
-``ContiguousKVManager``.
+References: the engine's own ``tinypaged.contiguous`` (``reservation_tokens``, ``free_holes``, ``first_fit``
+and ``ContiguousAllocator``, the allocator inside the engine's ``ContiguousKVManager``).
 """
 
 from __future__ import annotations
@@ -118,52 +117,6 @@ def cases_first_fit(hidden):
 
 # ---------------------------------------------------------------- the allocator
 
-class ContiguousAllocator:
-    """Reference: one contiguous region per sequence, placed first-fit, sized by the reservation policy.
-
-    Invariant: regions never overlap and never move; everything outside them is free.
-    """
-
-    def __init__(self, capacity: int, policy: str, max_model_len: int):
-        contiguous.reservation_tokens(policy, 1, max_model_len)  # an unknown policy raises here
-        self.capacity, self.policy, self.max_model_len = capacity, policy, max_model_len
-        self.regions: dict = {}  # seq_id -> (start, size, final_len)
-
-    def holes(self) -> list[tuple[int, int]]:
-        return contiguous.free_holes(sorted((s, n) for s, n, _ in self.regions.values()), self.capacity)
-
-    def allocate(self, seq_id, final_len: int) -> int | None:
-        if seq_id in self.regions:
-            raise ValueError(f"sequence {seq_id} already holds a region")
-        size = contiguous.reservation_tokens(self.policy, final_len, self.max_model_len)
-        start = contiguous.first_fit(self.holes(), size)
-        if start is not None:
-            self.regions[seq_id] = (start, size, final_len)
-        return start
-
-    def free(self, seq_id) -> None:
-        del self.regions[seq_id]
-
-    def slot(self, seq_id, position: int) -> int:
-        start, size, _ = self.regions[seq_id]
-        if not 0 <= position < size:
-            raise IndexError(f"position {position} is outside sequence {seq_id}'s reservation of {size}")
-        return start + position
-
-    def usage(self, written: dict) -> dict:
-        reserved = sum(size for _, size, _ in self.regions.values())
-        will_hold = sum(min(final, size) for _, size, final in self.regions.values())
-        states = sum(written.get(seq_id, 0) for seq_id in self.regions)
-        return {
-            "reserved": reserved,
-            "token_states": states,
-            "reservation_waste": will_hold - states,
-            "internal_fragmentation": reserved - will_hold,
-            "free": self.capacity - reserved,
-            "largest_hole": max((n for _, n in self.holes()), default=0),
-        }
-
-
 def _workout(seed: int, steps: int, capacity: int):
     """A random sequence of allocate / free / slot / usage calls, recorded step by step."""
 
@@ -198,8 +151,8 @@ def _workout(seed: int, steps: int, capacity: int):
     return run
 
 
-@register("01", "ContiguousAllocator", reference=lambda: ContiguousAllocator, points=4,
-          forbidden=lambda: [ContiguousAllocator, contiguous.ContiguousArena, contiguous.ContiguousKVManager])
+@register("01", "ContiguousAllocator", reference=lambda: contiguous.ContiguousAllocator, points=4,
+          forbidden=lambda: [contiguous.ContiguousAllocator, contiguous.ContiguousKVManager])
 def cases_contiguous_allocator(hidden):
     def placement(cls, t):
         a = cls(100, "oracle", 64)

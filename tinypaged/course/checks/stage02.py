@@ -1,81 +1,24 @@
 """Stage 2 checks: the block allocator, block tables, slot mapping, the block-table gather, and decode
 attention over a paged cache.
 
-References: :class:`BlockAllocator` and :class:`BlockTables` below (small versions of
-``tinypaged.block_manager``'s ``BlockPool`` and ``BlockManager``), ``tinypaged.attention.slot_mapping``,
-``tinypaged.attention.gather_kv`` and ``tinypaged.kernels.paged_attention_reference``.
+References: the engine's own pieces, in the exercises' shape: ``tinypaged.block_pool.BlockAllocator`` (the
+free queue inside the engine's ``BlockPool``), ``tinypaged.block_manager.BlockTables`` (the tables inside
+``BlockManager``), ``tinypaged.attention.slot_mapping`` and ``gather_kv``, and
+``tinypaged.kernels.paged_attention_reference``.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
 
 import torch
 
 from tinypaged import attention
-from tinypaged.block_manager import BlockManager, BlockPool, blocks_needed
+from tinypaged.block_manager import BlockManager, BlockTables
+from tinypaged.block_pool import BlockAllocator, BlockPool, blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check
-
-
-class BlockAllocator:
-    """Reference allocator: block ids from a FIFO free queue. (Stage 2 has no prefix cache; the engine's
-    ``BlockPool`` adds hashes, and puts freed blocks without one at the head.)"""
-
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
-        self.queue = deque(range(num_blocks))
-        self.is_free = [True] * num_blocks
-
-    @property
-    def num_free(self) -> int:
-        return len(self.queue)
-
-    def allocate(self) -> int:
-        """The id at the head of the free queue; raises when none is free."""
-        if not self.queue:
-            raise RuntimeError("no free KV blocks")
-        block = self.queue.popleft()
-        self.is_free[block] = False
-        return block
-
-    def free(self, block_id: int) -> None:
-        """Back to the tail of the free queue; freeing a free block raises."""
-        if self.is_free[block_id]:
-            raise RuntimeError(f"double free of block {block_id}")
-        self.is_free[block_id] = True
-        self.queue.append(block_id)
-
-
-class BlockTables:
-    """Reference: one block table per sequence, grown a block at a time, all or nothing."""
-
-    def __init__(self, allocator, block_size: int):
-        self.allocator, self.block_size = allocator, block_size
-        self.tables: dict = {}
-
-    def block_ids(self, seq_id) -> list[int]:
-        return list(self.tables.get(seq_id, []))
-
-    def allocate_slots(self, seq_id, num_tokens: int) -> bool:
-        table = self.tables.get(seq_id, [])
-        need = blocks_needed(num_tokens, self.block_size) - len(table)
-        if need > self.allocator.num_free:
-            return False
-        table = self.tables.setdefault(seq_id, table)
-        for _ in range(max(need, 0)):
-            table.append(self.allocator.allocate())
-        return True
-
-    def free(self, seq_id) -> None:
-        for b in reversed(self.tables.pop(seq_id, [])):
-            self.allocator.free(b)
-
-    def slots(self, seq_id, positions) -> list[int]:
-        return attention.slot_mapping(self.tables.get(seq_id, []), list(positions), self.block_size)
 
 
 # ---------------------------------------------------------------- BlockAllocator
@@ -123,47 +66,6 @@ def cases_block_allocator(hidden):
                 Case("random workout", _allocator_workout(2, 8, 120), weight=2)]
     return [Case(f"random workout {k}", _allocator_workout(hidden * 7 + k, 3 + 5 * k, 150), weight=2)
             for k in range(3)]
-
-
-# ---------------------------------------------------------------- allocate_for (the lesson's function form)
-
-def allocate_for(table: list[int], num_tokens: int, block_size: int, allocator) -> bool:
-    """Reference: grow ``table`` to hold ``num_tokens`` tokens, one block at a time, or change nothing."""
-    need = blocks_needed(num_tokens, block_size) - len(table)
-    if need > allocator.num_free:
-        return False
-    for _ in range(max(need, 0)):
-        table.append(allocator.allocate())
-    return True
-
-
-@register("02", "allocate_for", reference=lambda: allocate_for, points=1,
-          forbidden=lambda: [allocate_for, BlockTables, BlockManager])
-def cases_allocate_for(hidden):
-    """The function form of ``BlockTables.allocate_slots`` (not in the assignment; kept for the tests)."""
-
-    def basic(fn, t):
-        alloc, table, other = BlockAllocator(6), [], []
-        t("allocate_for([], 1, 4): the result and the table", [fn(table, 1, 4, alloc), list(table)])
-        t("4 tokens still fit one block", [fn(table, 4, 4, alloc), list(table)])
-        t("the 5th token needs a second block", [fn(table, 5, 4, alloc), list(table)])
-        t("another table of 9 tokens", [fn(other, 9, 4, alloc), list(other)])
-        t("16 tokens need 2 more blocks, 1 is free: the result, the table, num_free",
-          [fn(table, 16, 4, alloc), list(table), alloc.num_free])
-
-    def randoms(seed):
-        def run(fn, t):
-            r = random.Random(seed)
-            for bs in (1, 3, 16):
-                alloc, table, n = BlockAllocator(40), [], 0
-                for _ in range(12):
-                    n += r.randint(0, 7)
-                    t(f"block_size {bs}: grow to {n} tokens", [fn(table, n, bs, alloc), list(table), alloc.num_free])
-        return run
-
-    if hidden is None:
-        return [Case("growing", basic, "all or nothing: check before you allocate"), Case("random", randoms(0))]
-    return [Case("random", randoms(hidden), weight=2)]
 
 
 # ---------------------------------------------------------------- slot_mapping

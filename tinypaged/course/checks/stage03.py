@@ -3,142 +3,58 @@ LRU free queue with a hash index, the longest cached prefix).
 
 The learner's data structures are plain: a block table is a list of block ids, ``refcounts`` a dict
 from block id to the number of tables holding it, ``allocator`` any object with ``allocate() -> int``
-and ``free(block_id)``. The references below are small versions of what
-``tinypaged.block_manager`` does with ``Block`` objects (``BlockManager.fork``, the copy-on-write in
-``allocate_slots``, ``free``, ``BlockPool``'s LRU and hash index, ``get_computed_blocks``).
+and ``free(block_id)``. The references are the engine's own code (``tinypaged.block_manager``'s
+``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix``, ``tinypaged.block_pool``'s
+``BlockPool``), which take a ``BlockPool``: ``BlockPool(allocator, refcounts=refcounts)`` is the learner's
+pair seen as one, so each adapter below is one line.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 
-from tinypaged.block_manager import BlockManager, BlockPool, hash_block_tokens, hash_chain
+from tinypaged import block_manager
+from tinypaged.block_manager import BlockManager
+from tinypaged.block_pool import BlockAllocator, BlockPool, hash_block_tokens, hash_chain
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check
 
 
-# ---------------------------------------------------------------- references
+# ---------------------------------------------------------------- the engine's code, in the exercises' shape
 
-def fork(table: list[int], refcounts: dict[int, int]) -> list[int]:
-    """The child's table: the same blocks, each held by one more table. Nothing is copied."""
-    for b in table:
-        refcounts[b] += 1
-    return list(table)
+def fork(table, refcounts):
+    return block_manager.fork_table(table, BlockPool(None, refcounts=refcounts))
 
 
-def append_slot(table: list[int], num_tokens: int, block_size: int, refcounts: dict[int, int], allocator):
-    """Make room for the token at position ``num_tokens``; return a ``(src, dst)`` copy or None."""
-    if num_tokens % block_size == 0:
-        new = allocator.allocate()
-        refcounts[new] = 1
-        table.append(new)
-        return None
-    last = table[-1]
-    if refcounts[last] == 1:
-        return None  # ours alone: write in place
-    new = allocator.allocate()
-    refcounts[last] -= 1
-    refcounts[new] = 1
-    table[-1] = new
-    return (last, new)
+def append_slot(table, num_tokens, block_size, refcounts, allocator):
+    return block_manager.append_slot(table, num_tokens, block_size, BlockPool(allocator, refcounts=refcounts))
 
 
-def free_table(table: list[int], refcounts: dict[int, int], allocator) -> None:
-    """Drop this table's references, tail first; blocks nobody holds go back to the allocator."""
-    for b in reversed(table):
-        refcounts[b] -= 1
-        if refcounts[b] == 0:
-            del refcounts[b]
-            allocator.free(b)
-    table.clear()
+def free_table(table, refcounts, allocator):
+    return block_manager.free_table(table, BlockPool(allocator, refcounts=refcounts))
 
 
-class PrefixCache:
-    """Blocks with reference counts, a free queue that doubles as an LRU cache, and a hash index.
-
-    Invariants: a block is in the free queue exactly when its count is 0; the index maps a hash to a
-    block whose current content is that prefix (allocation forgets a reused block's old hash). Freed
-    blocks with a hash join the tail (the LRU order), freed blocks without one the head.
-    """
-
-    def __init__(self, num_blocks: int):
-        self.refs = [0] * num_blocks
-        self.queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.hash_of: dict[int, bytes] = {}
-        self.index: dict[bytes, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self.queue)
-
-    def ref_count(self, block_id: int) -> int:
-        return self.refs[block_id]
-
-    def allocate(self) -> int:
-        if not self.queue:
-            raise RuntimeError("no free blocks")
-        b, _ = self.queue.popitem(last=False)
-        h = self.hash_of.pop(b, None)
-        if h is not None and self.index.get(h) == b:
-            del self.index[h]  # the block is about to be overwritten: its hash is stale
-        self.refs[b] = 1
-        return b
-
-    def free(self, block_id: int) -> None:
-        if self.refs[block_id] <= 0:
-            raise RuntimeError(f"block {block_id} is already free")
-        self.refs[block_id] -= 1
-        if self.refs[block_id] == 0:
-            self.queue[block_id] = None  # to the tail, keeping its hash: cached until evicted
-            if block_id not in self.hash_of:
-                self.queue.move_to_end(block_id, last=False)  # caches nothing: reuse it first (vLLM v1)
-
-    def register(self, block_id: int, block_hash: bytes) -> None:
-        self.hash_of[block_id] = block_hash
-        self.index.setdefault(block_hash, block_id)
-
-    def lookup(self, block_hash: bytes) -> int | None:
-        return self.index.get(block_hash)
-
-    def touch(self, block_id: int) -> None:
-        if self.refs[block_id] == 0:
-            del self.queue[block_id]  # a hit on a free cached block takes it out of the queue
-        self.refs[block_id] += 1
+def prefix_cache(num_blocks):
+    return BlockPool(num_blocks, enable_caching=True)
 
 
-def longest_cached_prefix(token_ids: list[int], block_size: int, cache) -> list[int]:
-    """Block ids of the longest run of cached full blocks from the start, capped at len - 1 tokens."""
-    hit = []
-    for h in hash_chain(token_ids[: len(token_ids) - 1], block_size):
-        b = cache.lookup(h)
-        if b is None:
-            break
-        hit.append(b)
-    return hit
+def longest_cached_prefix(token_ids, block_size, cache):
+    return block_manager.longest_cached_prefix(token_ids, block_size, cache)
 
 
-class _Allocator:
-    """A FIFO free queue of block ids (stage 2's allocator) that also reports its queue."""
-
-    def __init__(self, n: int):
-        self.queue = list(range(n))
-
-    def allocate(self) -> int:
-        if not self.queue:
-            raise RuntimeError("no free blocks")
-        return self.queue.pop(0)
-
-    def free(self, block_id: int) -> None:
-        if block_id in self.queue:
-            raise RuntimeError(f"block {block_id} was freed twice")
-        self.queue.append(block_id)
+def _allocator(num_blocks: int, held: int = 0) -> BlockAllocator:
+    """The engine's free queue (stage 2's allocator), with its first ``held`` blocks handed out."""
+    a = BlockAllocator(num_blocks)
+    for _ in range(held):
+        a.allocate()
+    return a
 
 
 # ---------------------------------------------------------------- fork
 
-@register("03", "fork", reference=lambda: fork, points=1, forbidden=lambda: [fork, BlockManager], name="fork_table")
+@register("03", "fork", reference=lambda: fork, points=1, name="fork_table",
+          forbidden=lambda: [block_manager.fork_table, BlockPool, BlockManager])
 def cases_fork(hidden):
     def basic(f, t):
         refs = {3: 1, 7: 1, 1: 2}
@@ -171,7 +87,7 @@ def cases_fork(hidden):
 def _cow_workout(seed: int, steps: int, bs: int):
     def run(fn, t):
         r = random.Random(seed)
-        alloc, refs = _Allocator(400), {}
+        alloc, refs = _allocator(400), {}
         tables, lens = [[]], [0]
         for step in range(steps):
             i = r.randrange(len(lens))
@@ -187,16 +103,16 @@ def _cow_workout(seed: int, steps: int, bs: int):
 
 
 @register("03", "append_slot", reference=lambda: append_slot, points=3,
-          forbidden=lambda: [append_slot, BlockManager])
+          forbidden=lambda: [block_manager.append_slot, BlockPool, BlockManager])
 def cases_append_slot(hidden):
     def private(fn, t):
-        alloc, refs, table = _Allocator(8), {}, []
+        alloc, refs, table = _allocator(8), {}, []
         t("a private table writes positions 0..5 (block_size 4): what append_slot returns",
           [fn(table, n, 4, refs, alloc) for n in range(6)])
         t("its table and refcounts", [table, refs])
 
     def shared(fn, t):
-        alloc, refs, table = _Allocator(8), {}, []
+        alloc, refs, table = _allocator(8), {}, []
         for n in range(6):
             append_slot(table, n, 4, refs, alloc)
         child = fork(table, refs)  # both hold 6 tokens; block 1 is shared and partly filled
@@ -223,21 +139,22 @@ def cases_append_slot(hidden):
 
 # ---------------------------------------------------------------- free_table
 
-@register("03", "free_table", reference=lambda: free_table, points=1, forbidden=lambda: [free_table, BlockManager])
+@register("03", "free_table", reference=lambda: free_table, points=1,
+          forbidden=lambda: [block_manager.free_table, BlockPool, BlockManager])
 def cases_free_table(hidden):
     def basic(fn, t):
-        alloc = _Allocator(0)
+        alloc = _allocator(7, held=7)
         refs = {4: 1, 5: 2, 6: 1}
         table = [4, 5, 6]
         fn(table, refs, alloc)
-        t("free_table([4, 5, 6], {4: 1, 5: 2, 6: 1}): the allocator's free queue", alloc.queue)
+        t("free_table([4, 5, 6], {4: 1, 5: 2, 6: 1}): the allocator's free queue", list(alloc))
         t("the refcounts", refs)
         t("the freed table", table)
 
     def randoms(seed):
         def run(fn, t):
             r = random.Random(seed)
-            alloc, refs = _Allocator(60), {}
+            alloc, refs = _allocator(60), {}
             tables = []
             for _ in range(5):
                 tb = []
@@ -250,7 +167,7 @@ def cases_free_table(hidden):
             for k, tb in enumerate(tables):
                 fn(tb, refs, alloc)
                 t(f"after freeing table {k}: the free queue's last 8 and the refcounts",
-                  [alloc.queue[-8:], dict(sorted(refs.items()))])
+                  [list(alloc)[-8:], dict(sorted(refs.items()))])
         return run
 
     if hidden is None:
@@ -293,6 +210,7 @@ def _cache_workout(seed: int, steps: int, num_blocks: int):
         r = random.Random(seed)
         c = cls(num_blocks)
         held: list[int] = []
+        hashed: set[int] = set()  # blocks registered since they were allocated (a full block is registered once)
         hashes = [hash_block_tokens(None, [k]) for k in range(12)]
         for step in range(steps):
             op = r.random()
@@ -306,22 +224,25 @@ def _cache_workout(seed: int, steps: int, num_blocks: int):
                 if got is not None and r.random() < 0.7:
                     c.touch(got)
                     held.append(got)
+                    hashed.add(got)
                     t(f"step {step}: touch({got}), then ref_count and num_free", [c.ref_count(got), c.num_free])
-            elif held and op < 0.65:
-                b = r.choice(held)
+            elif op < 0.65 and set(held) - hashed:
+                b = r.choice(sorted(set(held) - hashed))
                 h = r.randrange(len(hashes))
                 c.register(b, hashes[h])
+                hashed.add(b)
                 t(f"step {step}: register({b}, hash {h}), then lookup(hash {h})", c.lookup(hashes[h]))
             elif c.num_free:
                 b = t(f"step {step}: allocate()", c.allocate())
                 held.append(b)
+                hashed.discard(b)
                 t(f"step {step}: ref_count({b})", c.ref_count(b))
         t("lookup of every hash at the end", [c.lookup(h) for h in hashes])
     return run
 
 
-@register("03", "PrefixCache", reference=lambda: PrefixCache, points=4, name="prefix_cache",
-          forbidden=lambda: [PrefixCache, BlockPool, BlockManager])
+@register("03", "PrefixCache", reference=lambda: prefix_cache, points=4, name="prefix_cache",
+          forbidden=lambda: [BlockPool, BlockAllocator, BlockManager])
 def cases_prefix_cache(hidden):
     h = [hash_block_tokens(None, [k]) for k in range(6)]
 
@@ -367,13 +288,17 @@ def cases_prefix_cache(hidden):
         c.register(a, h[1])
         c.register(b, h[1])  # two requests computed the same block in one step
         t("two blocks registered under one hash: lookup returns the first", c.lookup(h[1]))
+        c.free(a)
+        t("the first is freed, then the next two allocations (the second evicts it)", [c.allocate(), c.allocate()])
+        t("the other block still holds the prefix: lookup finds it", c.lookup(h[1]))
 
     if hidden is None:
         return [Case("LRU and stale hashes", lru, "allocation takes the head of the free queue and forgets that "
                                                   "block's hash; freed blocks keep theirs"),
                 Case("hits take blocks out of the queue", touch),
                 Case("errors", errors),
-                Case("one hash, two blocks", duplicate),
+                Case("one hash, two blocks", duplicate, "the index maps a hash to every block holding it; lookup "
+                                                          "returns the first registered that still does"),
                 Case("random workout", _cache_workout(6, 120, 6), weight=2)]
     return [Case(f"random workout {k}", _cache_workout(hidden * 11 + k, 150, 3 + 3 * k), weight=2) for k in range(3)]
 
@@ -391,7 +316,7 @@ class _Index:
 
 
 @register("03", "longest_cached_prefix", reference=lambda: longest_cached_prefix, points=2,
-          forbidden=lambda: [longest_cached_prefix, BlockManager])
+          forbidden=lambda: [block_manager.longest_cached_prefix, BlockPool, BlockManager])
 def cases_longest_cached_prefix(hidden):
     bs = 4
     cached = list(range(100, 112))  # a 12-token prompt computed into blocks 20, 21, 22
