@@ -19,7 +19,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 
 start=$(date +%s)
-echo "== setting up $venv ($VLLM_PIN, about 1.5 GB, ~10 minutes on a slow machine) =="
+echo "== setting up $venv ($VLLM_PIN, about 3.5 GB, ~10 minutes on a slow machine) =="
 [ -x $venv/bin/python ] || "$PY" -m venv $venv
 VPY=$venv/bin/python
 "$VPY" -m pip install -q --upgrade pip
