@@ -80,7 +80,7 @@ def request(prompt_token_ids, max_tokens: int, ignore_eos: bool = True, arrival:
 
 
 def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: int = 2,
-        timeout: float = 1800.0) -> list[dict]:
+        timeout: float | None = None) -> list[dict]:
     """Run ``experiments`` in one vLLM subprocess; one result dict per experiment, in order.
 
     Each experiment is ``{"engine": {EngineArgs keywords}, "requests": [request(...), ...]}`` with an
@@ -111,14 +111,19 @@ def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: 
                TORCHINDUCTOR_CACHE_DIR=str(CACHE / "inductor"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", VLLM_LOGGING_LEVEL="WARNING", TOKENIZERS_PARALLELISM="false",
                OMP_NUM_THREADS=str(cores))
-    with tempfile.TemporaryDirectory(prefix="tinypaged-vllm-") as tmp:
+    log = CACHE / f"run-{os.getpid()}.log"  # vLLM's log lines and one progress line per experiment
+    with tempfile.TemporaryDirectory(prefix="tinypaged-vllm-") as tmp, open(log, "w") as log_file:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"model": str(model), "experiments": experiments}))
-        proc = subprocess.run([str(py), "-P", __file__, str(job), str(out)], env=env, cwd=tmp, timeout=timeout,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"the vLLM subprocess failed (exit {proc.returncode}); its last lines:\n"
-                               + "\n".join(proc.stdout.splitlines()[-30:]))
+        try:
+            proc = subprocess.run([str(py), "-P", __file__, str(job), str(out)], env=env, cwd=tmp, timeout=timeout,
+                                  stdout=log_file, stderr=subprocess.STDOUT, text=True)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = f"timed out after {timeout:.0f} s"
+        if code != 0 or not out.exists():
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"the vLLM subprocess failed ({code}); the last lines of {log}:\n{tail}")
         return json.loads(out.read_text())
 
 
@@ -249,6 +254,8 @@ def _main(job_path: str, out_path: str) -> None:
         res = _experiment(engines[key], steps, exp, f"e{n}", results)
         res["engine_start_s"] = start_s
         results.append(res)
+        print(f"[vllm_side] experiment {n + 1}/{len(job['experiments'])}: engine start {start_s:.1f} s, "
+              f"run {res['wall']:.1f} s, {res['num_steps']} steps", flush=True)
     Path(out_path).write_text(json.dumps(results))
 
 
