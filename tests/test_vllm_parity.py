@@ -147,7 +147,7 @@ def test_same_prefix_cache_hits(vllm):
     first, _ = tp_run(llm, TURN1, [REPLY] * 4)
     replies = [list(o.outputs[0].token_ids) for o in first]  # each engine resends its own replies: the hits
     second, _ = tp_run(llm, turn2(replies), [REPLY] * 4)
-    ours = [o.num_cached_tokens for o in first] + [o.num_cached_tokens for o in second]
+    ours = [o.metrics.num_cached_tokens for o in first + second]  # vLLM: RequestOutput.num_cached_tokens
     theirs = vllm["prefix-turn1"]["num_cached_tokens"] + vllm["prefix-turn2"]["num_cached_tokens"]
     assert ours == theirs
     # turn 1 shares the system prompt's 2 full blocks; turn 2 also the block the reply filled

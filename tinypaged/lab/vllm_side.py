@@ -255,7 +255,8 @@ def _main(job_path: str, out_path: str) -> None:
         res["engine_start_s"] = start_s
         results.append(res)
         print(f"[vllm_side] experiment {n + 1}/{len(job['experiments'])}: engine start {start_s:.1f} s, "
-              f"run {res['wall']:.1f} s, {res['num_steps']} steps", flush=True)
+              f"run {res['wall']:.1f} s, {res['num_steps']} steps, largest batch {res['max_batch']}, "
+              f"{res['num_preemptions']} preemptions, {res['prefix_cache_hits']} prefix-hit tokens", flush=True)
     Path(out_path).write_text(json.dumps(results))
 
 
