@@ -3,7 +3,7 @@ the engine, and the paper's Figure 12 at OPT-13B scale by simulation.
 
     python benchmarks/bench_serving.py                 # about 10-15 minutes on a 2-core CPU
     python benchmarks/bench_serving.py --quick         # about 4 minutes (ShareGPT only, 2 s per rate)
-    python benchmarks/bench_serving.py --engine vllm --model facebook/opt-125m   # on a GPU with vLLM
+    python benchmarks/bench_serving.py --engine vllm   # the real vLLM (CPU build, .venv-vllm) beside tinypaged
 
 Part 1, real time (tinypaged): Poisson arrivals replayed on the wall clock through the real engine,
   for five systems at equal KV memory, equal max_num_seqs and the same model: static batching with
@@ -24,8 +24,12 @@ Part 3, the paper's scale: the same systems simulated with a roofline cost model
   the highest rate each system sustains under a latency threshold, and requests batched at once
   (Figure 13), next to the paper's figures.
 
-With ``--engine vllm`` the Part-1 experiment runs on vLLM itself (paged KV only) where vLLM is
-installed, and prints the same table; elsewhere it says why it is skipped.
+With ``--engine vllm`` the Part-1 experiment runs on the real vLLM (its CPU build, from ``.venv-vllm``, made
+by ``scripts/vllm_env.sh``; in a subprocess) beside tinypaged's paged system: both on SmolLM2-135M float32
+(the tiny model's heads are too small for vLLM's CPU attention), block 32, the same KV blocks, the same
+requests at the same Poisson arrival times, the same span of traffic per rate (--seconds, default 30, at
+least --requests, default 16), and the same --cores; one table, and each engine's sustainable rate.
+Elsewhere it says in one line how to get the vLLM environment.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import time
 
 from tinypaged.lab.serving import (PAPER_BATCHED, PAPER_RATE_RATIOS, SYSTEM_NAMES, format_table, get_system, quiet,
                                rate_ratios, replay, serve_systems, serving_table, serving_trace, shared_weights,
-                               sustainable_rate, system_config, vllm_available, with_rate)
+                               sustainable_rate, system_config, with_rate)
 from tinypaged.lab.simulator import (OPT13B_A100, StepCostModel, calibration_steps, check_against, knee_rates,
                                  paper_setup, sweep, validate)
 from tinypaged.lab.workloads import summarize
@@ -209,32 +213,71 @@ def paper_scale(args, dataset):
 
 
 # -- vLLM ------------------------------------------------------------------------------------------------
+def vllm_run(result: dict, trace, rate: float, max_num_seqs: int):
+    """A ServingRun from one realtime experiment of ``tinypaged.lab.vllm_side`` (vLLM's own step records)."""
+    from tinypaged.lab.serving import BatchShape, RequestRecord, ServingRun, StepRecord
+
+    requests = [RequestRecord(r.request_id, r.prompt_len, r.output_len, a, f, e)
+                for r, a, f, e in zip(trace, result["arrival"], result["first_token"], result["finished"])]
+    steps = [StepRecord(st["start"], st["end"], BatchShape(st["batch"], st["prefill_tokens"], st["decode_tokens"]),
+                        st["batch"]) for st in result["steps"] if st.get("batch")]
+    return ServingRun("vLLM (real)", rate, sorted(requests, key=lambda r: r.arrival), steps, max_num_seqs,
+                      result["num_preemptions"])
+
+
 def run_vllm(args):
-    if not vllm_available():
-        say("vLLM is not installed here, so the vLLM run is skipped (vLLM needs a CUDA GPU; install it there and "
-            "rerun with --engine vllm --model <a Hugging Face model>). The tinypaged experiment runs with "
-            "`python benchmarks/bench_serving.py`.")
+    """Part 1's experiment on the real vLLM (CPU build, compiled graph) beside tinypaged's paged system, both
+    on SmolLM2-135M float32, the same requests at the same arrival times, block 32 and the same KV blocks."""
+    from tinypaged import LLM
+    from tinypaged.lab import vllm_side
+    from tinypaged.lab.workloads import prompt_token_ids
+
+    if not vllm_side.available():
+        say(f"The vLLM run is skipped: {vllm_side.MISSING}")
         return 0
-    from vllm import EngineArgs, LLMEngine, SamplingParams
-
-    from tinypaged.lab.serving import replay_vllm
-
+    bs = vllm_side.CPU_BLOCK_SIZE
     for dataset in args.datasets:
         cfg = DATASETS[dataset]
         common = paper_setup(cfg["scale"], max_num_seqs=args.max_num_seqs)
-        rates = sorted(args.rates or [5.0, 10.0, 20.0, 40.0])
-        count = {r: max(args.requests, math.ceil(r * args.seconds)) for r in rates}  # as Part 1: same span per rate
+        blocks = common["kv_cache_tokens"] // bs
+        rates = sorted(args.rates or [0.25, 0.5, 1.0, 2.0])
+        count = {r: max(args.requests, math.ceil(r * args.seconds)) for r in rates}  # the same span per rate
         trace = serving_trace(dataset, max(count.values()), None, seed=0, scale=cfg["scale"])
-        engine = LLMEngine.from_engine_args(EngineArgs(
-            model=args.model, max_num_seqs=common["max_num_seqs"], block_size=16, max_model_len=common["max_model_len"],
-            num_gpu_blocks_override=common["kv_cache_tokens"] // 16, enable_prefix_caching=False, seed=0))
-        runs = {}
-        for rate in rates:
-            runs[("vLLM (real)", rate)] = replay_vllm(engine, with_rate(trace[:count[rate]], rate, seed=0),
-                                                      SamplingParams, rate, max_num_seqs=common["max_num_seqs"])
-        say(f"\n== vLLM {dataset}: {args.model}, KV {common['kv_cache_tokens']} tokens, max_num_seqs "
-            f"{common['max_num_seqs']} ==")
-        say(serving_table(runs))
+        say(f"\n== vLLM beside tinypaged ({dataset}): SmolLM2-135M float32, KV {blocks} blocks of {bs} "
+            f"({blocks * bs} tokens; vLLM gets one more, its null block), max_num_seqs {common['max_num_seqs']}, "
+            f"max_model_len {common['max_model_len']}, {args.seconds:g} s of Poisson traffic per rate (at least "
+            f"{args.requests} requests), {args.cores} core(s) each ==")
+        engine = dict(num_gpu_blocks_override=blocks + 1, block_size=bs, max_num_seqs=common["max_num_seqs"],
+                      max_model_len=common["max_model_len"], max_num_batched_tokens=512)
+        moved = {r: with_rate(trace[:count[r]], r, seed=0) for r in rates}
+        vocab = 49152
+
+        def reqs(tr):
+            return [vllm_side.request(prompt_token_ids(r, vocab, 0), r.output_len, arrival=r.arrival_time) for r in tr]
+
+        t0 = time.perf_counter()
+        exps = [dict(engine=engine, requests=reqs(with_rate(trace[:4], 1000.0)))]  # warm-up
+        exps += [dict(engine=engine, requests=reqs(moved[r]), realtime=True) for r in rates]
+        res = vllm_side.run(exps, cores=args.cores, timeout=7200)
+        say(f"vLLM: {time.perf_counter() - t0:.0f} s in its subprocess (engine start-up and compile "
+            f"{res[0]['engine_start_s']:.0f} s)")
+        runs = {("vLLM (real)", r): vllm_run(x, moved[r], r, common["max_num_seqs"]) for r, x in zip(rates, res[1:])}
+        import torch
+
+        torch.set_num_threads(args.cores)
+        with quiet():
+            llm = LLM("smollm2-135m", device="cpu", dtype="float32", seed=0, scheduler="continuous", kv_cache="paged",
+                      block_size=bs, num_gpu_blocks_override=blocks, max_num_seqs=common["max_num_seqs"],
+                      max_model_len=common["max_model_len"], max_num_batched_tokens=512)
+            replay(llm, with_rate(trace[:4], 1000.0), "vllm")  # warm-up
+            for r in rates:
+                runs[("vllm", r)] = replay(llm, moved[r], "vllm", r)
+        say(serving_table(runs, systems=["vllm", "vLLM (real)"]))
+        th = threshold_of(runs[("vLLM (real)", rates[0])].summary()["normalized_latency"])
+        sus = {name: sustainable_rate(rates, [runs[(name, r)].summary()["normalized_latency"] for r in rates], th)
+               for name in ("vllm", "vLLM (real)")}
+        say(f"Sustainable rate (mean normalized latency <= {th:.4f} s/token = {THRESHOLD_FACTOR}x the real vLLM's at "
+            f"{rates[0]:g} req/s): tinypaged (paged) {sus['vllm']:.2f}, vLLM {sus['vLLM (real)']:.2f} req/s")
     return 0
 
 
@@ -252,15 +295,21 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1: steadier step times on a shared CPU, which the simulator fits)")
+    ap.add_argument("--cores", type=int, default=2, help="--engine vllm: CPU cores for each engine")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", nargs="*", default=[], choices=["realtime", "paper"])
     args = ap.parse_args(argv)
+    if args.engine == "vllm":
+        if args.model not in (None, "smollm2-135m"):
+            ap.error("--engine vllm runs SmolLM2-135M on both engines (the 'tiny' model's 16-wide heads are too "
+                     "small for vLLM's CPU attention)")
+        args.seconds = args.seconds if args.seconds is not None else 30.0
+        args.requests = args.requests if args.requests is not None else 16
+        if args.datasets == ["sharegpt", "alpaca"]:
+            args.datasets = ["sharegpt"]
+        return run_vllm(args)
     args.requests = args.requests or (48 if args.quick else 100)
     args.seconds = args.seconds or (2.0 if args.quick else 6.0)
-    if args.engine == "vllm":
-        if args.model is None:
-            ap.error("--engine vllm needs --model (a model vLLM can load)")
-        return run_vllm(args)
     import torch
 
     torch.set_num_threads(args.threads)

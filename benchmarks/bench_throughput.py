@@ -9,6 +9,11 @@ Part 1 (SmolLM2-135M, float32, CPU, the same requests for every system, all arri
   `generate_batch`). Output lengths are forced (ignore_eos + max_tokens) so every system does the
   same useful work. Then the continuous run's exact batches are replayed through the bare model
   forward, with no engine around it: the engine's share of that raw speed is its overhead.
+Part 1b (where the vLLM environment exists, `bash scripts/vllm_env.sh`): the same requests on the real
+  vLLM (its CPU build, compiled graph, in a subprocess) and on tinypaged continuous, both with
+  max_num_seqs = --batch, block_size 32 (the smallest vLLM's CPU attention takes) and the same --cores
+  CPU cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1); tinypaged: N torch threads, affinity to cores
+  0..N-1); tokens/s, the ratio tinypaged / vLLM, and whether the greedy tokens are equal.
 Part 2 ("tiny" model, to keep CPU time sane): sweeps of max_num_seqs and max_num_batched_tokens,
   and the cost of recompute vs swap preemption at a few block sizes.
 
@@ -62,7 +67,8 @@ def run_tinypaged(model, prompts, outs, record=None, **kw):
     wall = time.perf_counter() - t0
     assert [len(r.outputs[0].token_ids) for r in res] == outs
     lat = sum(r.metrics.e2e_latency for r in res) / len(res)
-    return {"wall": wall, "tokens": sum(outs), "latency": lat, "metrics": llm.get_metrics(), "llm": llm}
+    return {"wall": wall, "tokens": sum(outs), "latency": lat, "metrics": llm.get_metrics(), "llm": llm,
+            "outputs": res}
 
 
 def replay_raw(model, recorded):
@@ -182,6 +188,54 @@ def part1(args):
           f"of the raw model throughput (target >= 85%)")
 
 
+# -- part 1b: the real vLLM -------------------------------------------------------------------------
+def part1b(args):
+    import os
+
+    from tinypaged.lab import vllm_side
+
+    if not vllm_side.available():
+        print(f"\nPart 1b skipped: {vllm_side.MISSING}")
+        return
+    cores = args.cores
+    trace, prompts, outs = make_requests(args.num_requests, args.scale, 49152)
+    B, tokens = args.batch, sum(outs)
+    common = dict(max_num_seqs=B, block_size=vllm_side.CPU_BLOCK_SIZE, max_model_len=512, max_num_batched_tokens=512)
+    blocks = 8192 // vllm_side.CPU_BLOCK_SIZE
+    # vLLM: a warm-up experiment on the same engine first (the engine compiles at start-up; the first
+    # steps of each batch shape still pay one-off costs), then the timed one
+    reqs = [vllm_side.request(p, o) for p, o in zip(prompts, outs)]
+    engine = dict(common, num_gpu_blocks_override=blocks + 1)  # + vLLM's null block
+    t0 = time.perf_counter()
+    warm, v = vllm_side.run([dict(engine=engine, requests=reqs[:B]), dict(engine=engine, requests=reqs)],
+                            cores=cores, timeout=3600)
+    v_total = time.perf_counter() - t0
+    # tinypaged, pinned to the same cores
+    affinity = os.sched_getaffinity(0)
+    threads = torch.get_num_threads()
+    os.sched_setaffinity(0, set(range(cores)))
+    torch.set_num_threads(cores)
+    try:
+        run_tinypaged("smollm2-135m", prompts[:B], outs[:B], num_gpu_blocks_override=blocks, **common)  # warm-up
+        tp = run_tinypaged("smollm2-135m", prompts, outs, num_gpu_blocks_override=blocks, **common)
+        ours = [list(o.outputs[0].token_ids) for o in tp["outputs"]]
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    same = sum(a == b for a, b in zip(ours, v["tokens"]))
+    v_lat = sum(f - a for f, a in zip(v["finished"], v["arrival"])) / len(outs)
+    rows = [["tinypaged continuous", tokens, f"{tp['wall']:.1f}", f"{tokens / tp['wall']:.1f}", f"{tp['latency']:.1f}",
+             tp["metrics"]["num_steps"]],
+            ["vLLM 0.32.0 (CPU build, compiled)", tokens, f"{v['wall']:.1f}", f"{tokens / v['wall']:.1f}", f"{v_lat:.1f}",
+             v["num_steps"]]]
+    table(f"Part 1b: tinypaged vs vLLM, SmolLM2-135M float32, same {len(outs)} requests, max_num_seqs {B}, "
+          f"block 32, {cores} core(s) each", ["system", "out tokens", "wall s", "tokens/s", "mean latency s", "steps"],
+          rows)
+    print(f"\n  tinypaged / vLLM throughput: {(tokens / tp['wall']) / (tokens / v['wall']):.2f}x; greedy tokens equal "
+          f"for {same}/{len(outs)} requests; vLLM start-up (load + compile) {warm['engine_start_s']:.0f} s "
+          f"of {v_total:.0f} s in its subprocess (warm-up run {warm['wall']:.1f} s)")
+
+
 # -- part 2 ----------------------------------------------------------------------------------------
 def part2(args):
     n = args.sweep_requests
@@ -225,6 +279,8 @@ def main():
     ap.add_argument("--skip-part2", action="store_true")
     ap.add_argument("--batch", type=int, default=16, help="max_num_seqs, and the static batch size")
     ap.add_argument("--requests", type=int, default=None, help="number of requests in part 1")
+    ap.add_argument("--cores", type=int, default=2, help="part 1b: CPU cores given to each of tinypaged and vLLM")
+    ap.add_argument("--skip-vllm", action="store_true", help="skip part 1b (the real vLLM)")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.scale, args.sweep_requests = 32, 1 / 16, 24
@@ -237,6 +293,8 @@ def main():
     t0 = time.perf_counter()
     if not args.skip_part1:
         part1(args)
+    if not args.skip_vllm:
+        part1b(args)
     if not args.skip_part2:
         part2(args)
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)")

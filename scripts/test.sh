@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: set up, then package tests, nbval on every notebook, and the
 # browser test (every lesson in JupyterLab; skipped, with one line saying so, where no Chromium is found).
+# The real vLLM (CPU build) gets its own environment, .venv-vllm (about 3.5 GB, 5-10 minutes to build the
+# first time): tests/test_vllm_parity.py and notebook 06's vLLM cells run on it, so it is built here.
+# vLLM's share of a run: the parity tests start 6 vLLM engines, notebook 06 starts 10 (eager, no compile);
+# docs/RESULTS.md ("The test suite") gives the measured times. CI's job limit must cover the first build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/vllm_env.sh
 export PATH="$PWD/.venv/bin:$PATH" PYTHONHASHSEED=0 MPLBACKEND=Agg TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
