@@ -95,10 +95,12 @@ def test_out_of_vocabulary_stop_id_is_refused_before_any_work():
     llm = tiny()
     vocab = llm.llm_engine.vocab_size
     before = steps(llm)
-    for bad in (vocab, vocab + 5, -1):
+    for bad in (vocab, vocab + 5):
         with pytest.raises(ValueError, match=rf"Request \d+: stop_token_ids \[{bad}\] are outside the vocabulary"):
             llm.generate([P, P], [SHORT, SamplingParams(stop_token_ids=[bad], min_tokens=2, max_tokens=4)])
         assert untouched(llm, before)
+    with pytest.raises(ValueError, match=r"stop_token_ids must hold token ids >= 0"):  # refused by SamplingParams
+        SamplingParams(stop_token_ids=[-1], min_tokens=2, max_tokens=4)
     assert len(llm.generate([P, P], SHORT)) == 2  # and the engine keeps working
 
 
