@@ -11,6 +11,7 @@ checks are the inner policy's.
 * ``"dfs-weight"`` (SGLang today): walk the radix tree depth first, heavier subtrees (more waiting
   requests under them) first, and take requests in that order; it needs a ``RadixKVManager``.
 * ``"fcfs"``: arrival order (SGLang's default today).
+* a function ``order(seqs, cached_tokens) -> seqs`` (a learner's ordering; course-only).
 
 Above ``fcfs_above`` arrived requests (SGLang: 128) the order falls back to FCFS: matching every
 waiting prompt against the cache each step costs time proportional to the queue.
@@ -38,8 +39,9 @@ class CacheAwareOrder:
     """A ``SchedulingPolicy``: ``LLM(scheduling_policy=CacheAwareOrder("lpm"))``."""
 
     def __init__(self, order: str = "lpm", fcfs_above: int = 128, inner=None):
-        if order not in ORDERS:
-            raise ValueError(f"order={order!r}: use one of {', '.join(ORDERS)}")
+        if not callable(order) and order not in ORDERS:
+            raise ValueError(f"order={order!r}: use one of {', '.join(ORDERS)}, or a function "
+                             f"order(seqs, cached_tokens) -> seqs in the order to admit them")
         if fcfs_above < 0:
             raise ValueError(f"fcfs_above must be >= 0, got {fcfs_above}")
         if inner is None:
@@ -61,8 +63,11 @@ class CacheAwareOrder:
         return self.inner.schedule(_ReorderedView(sched, deque(ordered + later)))
 
     def rank(self, sched, arrived: list) -> list:
+        cached = lambda s: sched.hit_tokens(sched.prefix_hit(s))  # noqa: E731
+        if callable(self.order):  # a learner's ordering
+            return list(self.order(list(arrived), cached))
         if self.order == "lpm":
-            return longest_prefix_first(arrived, lambda s: sched.hit_tokens(sched.prefix_hit(s)))
+            return longest_prefix_first(arrived, cached)
         return dfs_weight_order(sched.kv, arrived)
 
 
