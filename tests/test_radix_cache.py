@@ -311,3 +311,41 @@ def test_same_step_prefix_sharing_passes_the_slot_check():
     outs = llm.generate([p, p], SamplingParams(max_tokens=3, temperature=0.0))
     assert outs[1].metrics.num_cached_tokens == 36
     assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+class _FakeSched:
+    """What CacheAwareOrder reads: the waiting queue, arrival, and each request's prefix hit."""
+
+    def __init__(self, hits):
+        from collections import deque
+
+        self.waiting = deque(_S(i, [0] * 8) for i in range(len(hits)))
+        self.hits = hits
+
+    def arrived(self, seq):
+        return True
+
+    def prefix_hit(self, seq):
+        return [0] * self.hits[seq.seq_id]
+
+    def hit_tokens(self, computed):
+        return len(computed)
+
+
+class _Recorder:
+    def schedule(self, sched):
+        self.seen = [s.seq_id for s in sched.waiting]
+        return "out"
+
+
+@pytest.mark.parametrize("order, fcfs_above, want", [
+    ("lpm", 128, [1, 3, 0, 2]),
+    ("lpm", 3, [0, 1, 2, 3]),  # four waiting, over the cut-off: arrival order
+    ("fcfs", 128, [0, 1, 2, 3]),
+    (lambda seqs, cached: list(reversed(seqs)), 128, [3, 2, 1, 0]),  # a learner's own order plugs in
+])
+def test_cache_aware_order_reorders_only_the_view(order, fcfs_above, want):
+    sched, inner = _FakeSched([0, 8, 0, 5]), _Recorder()
+    assert CacheAwareOrder(order, fcfs_above, inner).schedule(sched) == "out"
+    assert inner.seen == want
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3], "the scheduler's own queue keeps arrival order"

@@ -13,8 +13,11 @@ checks are the inner policy's.
 * ``"fcfs"``: arrival order (SGLang's default today).
 * a function ``order(seqs, cached_tokens) -> seqs`` (a learner's ordering; course-only).
 
-Above ``fcfs_above`` arrived requests (SGLang: 128) the order falls back to FCFS: matching every
-waiting prompt against the cache each step costs time proportional to the queue.
+Above ``fcfs_above`` arrived requests (SGLang: 128) ``lpm`` falls back to FCFS: matching every waiting
+prompt against the cache each step costs time proportional to the queue (SGLang applies the cut-off to
+``lpm`` and its ``hrrn``, not to ``dfs-weight``; so does this class). SGLang's ``lpm`` also holds back
+waiting requests that share a short uncached prefix with one already chosen ("in-batch prefix caching");
+here that role is played by publishing prompts at allocation, so same-step requests share them.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ class CacheAwareOrder:
         queue = list(sched.waiting)
         arrived = [s for s in queue if sched.arrived(s)]
         later = [s for s in queue if not sched.arrived(s)]
-        if self.order == "fcfs" or len(arrived) > self.fcfs_above or len(arrived) < 2:
+        too_many = self.order != "dfs-weight" and len(arrived) > self.fcfs_above
+        if self.order == "fcfs" or too_many or len(arrived) < 2:
             return self.inner.schedule(sched)
         ordered = self.rank(sched, arrived)
         if [s.seq_id for s in ordered] != [s.seq_id for s in arrived]:
