@@ -349,3 +349,29 @@ def test_cache_aware_order_reorders_only_the_view(order, fcfs_above, want):
     assert CacheAwareOrder(order, fcfs_above, inner).schedule(sched) == "out"
     assert inner.seen == want
     assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3], "the scheduler's own queue keeps arrival order"
+
+
+# ---------------------------------------------------------------- workloads and the view
+
+def test_workloads_share_what_they_say():
+    from tinypaged.lab.prefix_workloads import all_workloads, few_shot, multi_turn_chat
+
+    fs = few_shot()
+    names = [r.name for r in fs.waves[0]]
+    assert names[:5] == ["task0q0", "task1q0", "task2q0", "task3q0", "task0q1"], "queries arrive interleaved"
+    assert fs.waves[0][0].tokens[:80] == fs.waves[0][4].tokens[:80] != fs.waves[0][1].tokens[:80]
+    chat = multi_turn_chat()
+    assert [r.parent for r in chat.waves[1]] == ["chat0t0", "chat1t0", "chat2t0"]
+    assert [w.name for w in all_workloads()] == [w.name for w in all_workloads()]  # seeded: same every call
+    assert all_workloads()[0].waves == all_workloads()[0].waves
+
+
+def test_replay_shows_the_partial_block_and_the_reply():
+    from tinypaged.lab.radix_view import replay, tree_lines
+
+    system = list(range(1, 11))
+    snaps = replay([("arrive", "A", system + [20, 21, 22]), ("arrive", "B", system + [30, 31]),
+                    ("finish", "A", [40, 41, 42]), ("arrive", "C", system + [20, 21, 22, 40, 41, 42, 60])], 40, 4)
+    assert snaps[2].hits == {"radix": 10, "blocks": 8}, "the tree finds the whole system prompt, blocks of 4 only 8"
+    assert snaps[4].hits == {"radix": 15, "blocks": 12}, "A's reply, but its last token, serves C"
+    assert "lock 1" in tree_lines(snaps[2])[1] and "evicted next" in "".join(tree_lines(snaps[3]))
