@@ -375,3 +375,20 @@ def test_replay_shows_the_partial_block_and_the_reply():
     assert snaps[2].hits == {"radix": 10, "blocks": 8}, "the tree finds the whole system prompt, blocks of 4 only 8"
     assert snaps[4].hits == {"radix": 15, "blocks": 12}, "A's reply, but its last token, serves C"
     assert "lock 1" in tree_lines(snaps[2])[1] and "evicted next" in "".join(tree_lines(snaps[3]))
+
+
+def test_slot_check_still_catches_an_overwrite_of_other_tokens():
+    """The same-step exemption covers only the very token at the very position: a manager that maps a new
+    request onto slots another request has cached, with other tokens, is still stopped."""
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.interfaces import InvariantError
+
+    class SameSlots(RadixKVManager):
+        def slot_mapping(self, seq, start, end):
+            return list(range(start, end))  # every sequence writes from slot 0: B lands on A's cached keys
+
+    llm = LLM("tiny", kv_cache_manager=lambda spec: SameSlots(spec.capacity_tokens, 1, spec.max_model_len),
+              kv_cache_tokens=256, max_num_seqs=2, max_num_batched_tokens=20)
+    prompts = [{"prompt_token_ids": list(range(1, 21))}, {"prompt_token_ids": list(range(50, 60))}]
+    with pytest.raises(InvariantError, match="overwrite slot"):
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
