@@ -392,3 +392,14 @@ def test_slot_check_still_catches_an_overwrite_of_other_tokens():
     prompts = [{"prompt_token_ids": list(range(1, 21))}, {"prompt_token_ids": list(range(50, 60))}]
     with pytest.raises(InvariantError, match="overwrite slot"):
         llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+
+
+def test_a_split_ties_two_leaves_and_the_older_goes_first():
+    """Regression: an insert that splits an edge stamps both the remainder and the new leaf; eviction must break
+    the tie the same way every run (creation order), or a check's expected pages depend on memory addresses."""
+    tree = RadixCache(1)
+    tree.insert([1, 2, 3], [10, 11, 12])
+    tree.insert([1, 2, 4], [20, 21, 22])
+    leaves = [n for n in tree.nodes() if not n.children]
+    assert len({n.last_access for n in leaves}) == 1, "the remainder [3] and the new leaf [4] share a stamp"
+    assert tree.evict(1) == [12], "the remainder, created first, is evicted first"
