@@ -119,11 +119,12 @@ class ModelRunner:
                                  "(a block handed out twice?)")
         if not self.check_invariants:
             return
-        cached = [self.context_slots([it.seq], it.seq.num_computed_tokens)[0]
-                  for it in scheduled if it.seq.num_computed_tokens]
+        readers = [it.seq for it in scheduled if it.seq.num_computed_tokens]
+        cached = [self.context_slots([s], s.num_computed_tokens)[0].to(writes.device) for s in readers]
         if cached:
-            clash = torch.isin(writes, torch.cat(cached))
-            if bool(clash.any()):
+            cached = torch.cat(cached)
+            clash = torch.isin(writes, cached)
+            if bool(clash.any()) and not _same_step_sharing(writes, cached, scheduled, readers):
                 raise InvariantError(f"this step would overwrite slot {int(writes[clash][0])}, which holds "
                                      f"another token's cached keys (a block handed out twice, or a shared "
                                      f"block written without copy-on-write)")
@@ -231,3 +232,24 @@ class ModelRunner:
             del scratch
             torch.cuda.empty_cache()
         return peak
+
+
+def _same_step_sharing(writes, cached, scheduled, readers) -> bool:
+    """Whether every written slot that some sequence counts as cached is a prefix shared within this step:
+    the writer writes the very token, at the very position, that the reader expects there (prefix caching
+    hands a request the pages another one is prefilling now). That is sound because each layer writes all
+    of the step's keys before any query reads them."""
+    w_tok, w_pos = [], []
+    for it in scheduled:
+        start = it.seq.num_computed_tokens
+        w_tok += it.seq.token_ids[start:start + it.num_tokens]
+        w_pos += range(start, start + it.num_tokens)
+    r_tok = [t for s in readers for t in s.token_ids[: s.num_computed_tokens]]
+    r_pos = [p for s in readers for p in range(s.num_computed_tokens)]
+    dev = writes.device
+    w_tok, w_pos = torch.tensor(w_tok, device=dev), torch.tensor(w_pos, device=dev)
+    r_tok, r_pos = torch.tensor(r_tok, device=dev), torch.tensor(r_pos, device=dev)
+    hit = torch.isin(cached, writes)
+    order = torch.argsort(writes)
+    idx = order[torch.searchsorted(writes[order], cached[hit])]
+    return bool(((w_tok[idx] == r_tok[hit]) & (w_pos[idx] == r_pos[hit])).all())

@@ -95,7 +95,7 @@ class Check:
 
 REGISTRY: dict[str, Check] = {}
 # One module per stage; a new stage adds its module name here (missing modules are skipped).
-STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06")
+STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06", "stage07")
 
 
 def register(stage: str, target: str, reference: Callable[[], object] | None = None, points: int = 1,

@@ -1,0 +1,405 @@
+"""Stage 7: the radix tree, its KV manager and the cache-aware order.
+
+Two hypothesis state machines: one drives the bare ``RadixCache`` (insert, match, lock, evict), one drives
+``RadixKVManager`` through the KVCacheManager contract with fake sequences whose "KV" is a dict from slot
+to (token, position), so a page overwritten while someone reads it is caught. Invariants: no locked node
+evicted, evictable / protected sizes add up, every cached token held by one node, nothing leaked after a
+drain. Then the engine: outputs identical with every manager and order, and the hits each one finds.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from tinypaged.radix_cache import RadixCache, RadixKVManager
+from tinypaged.radix_policy import CacheAwareOrder, dfs_weight_order, longest_prefix_first
+
+PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [4, 4, 4, 4], [1, 2, 7]]
+
+
+def keys():
+    """Token lists that share prefixes often (so matches end inside edges and nodes split)."""
+    return st.tuples(st.sampled_from(PREFIXES), st.integers(0, 8),
+                     st.lists(st.integers(1, 3), max_size=6)).map(lambda t: t[0][: t[1]] + t[2])
+
+
+class TreeMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.sampled_from([1, 2, 4]))
+    def setup(self, page_size):
+        self.p = page_size
+        self.tree = RadixCache(page_size)
+        self.free = list(range(200))
+        self.locks: list[tuple[tuple, list, object]] = []  # (key, pages, node) of each lock held
+
+    def _aligned(self, key):
+        return tuple(key[: len(key) - len(key) % self.p])
+
+    @rule(key=keys())
+    def insert(self, key):
+        key = self._aligned(key)
+        before, _ = self.tree.match_prefix(key)
+        pages = [self.free.pop() for _ in range(len(key) // self.p)]
+        cached = self.tree.insert(key, pages)
+        assert cached == len(before) * self.p, "insert reports the prefix that match_prefix found"
+        got, _ = self.tree.match_prefix(key)
+        assert got == before + pages[cached // self.p:], "the tree keeps its pages and adopts the rest"
+        self.free += pages[: cached // self.p]  # duplicates go back
+
+    @rule(key=keys())
+    def lock(self, key):
+        pages, node = self.tree.match_prefix(key)
+        self.tree.inc_lock_ref(node)
+        self.locks.append((self._aligned(key)[: len(pages) * self.p], pages, node))
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 50))
+    def unlock(self, i):
+        _, _, node = self.locks.pop(i % len(self.locks))
+        self.tree.dec_lock_ref(node)
+
+    @rule(n=st.integers(0, 40))
+    def evict(self, n):
+        evictable = self.tree.evictable_size
+        freed = self.tree.evict(n)
+        assert len(freed) * self.p >= min(n, evictable) and self.tree.evictable_size == evictable - len(freed) * self.p
+        self.free += freed
+        for key, pages, _ in self.locks:  # no locked path lost a token
+            assert self.tree.match_prefix(key)[0] == pages
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "tree"):
+            return
+        self.tree.check_invariants()
+        held = [pg for n in self.tree.nodes() for pg in n.value]
+        assert sorted(held + self.free) == list(range(200)), "every page is free or in exactly one node"
+        assert self.tree.total_size == len(held) * self.p
+
+    def teardown(self):
+        if not hasattr(self, "tree"):
+            return
+        for _, _, node in self.locks:
+            self.tree.dec_lock_ref(node)
+        self.free += self.tree.evict(10**9)
+        assert self.tree.protected_size == self.tree.evictable_size == 0 and not self.tree.root.children
+        assert sorted(self.free) == list(range(200)), "a drained tree gives every page back"
+
+
+TestTree = TreeMachine.TestCase
+TestTree.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class FakeParams:
+    max_tokens = 64
+
+
+class FakeSeq:
+    """What the manager reads: id, tokens, progress, whether the next step is a decode."""
+
+    _next = 0
+
+    def __init__(self, prompt):
+        FakeSeq._next += 1
+        self.seq_id = 50_000 + FakeSeq._next
+        self.prompt = list(prompt)
+        self.outputs: list[int] = []
+        self.num_computed_tokens = 0
+        self.params = FakeParams()
+
+    @property
+    def token_ids(self):
+        return self.prompt + self.outputs
+
+    def __len__(self):
+        return len(self.prompt) + len(self.outputs)
+
+    @property
+    def is_decoding(self):
+        return bool(self.outputs) and len(self) - self.num_computed_tokens == 1
+
+    def max_total_tokens(self, max_model_len):
+        return min(len(self.prompt) + self.params.max_tokens, max_model_len)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    @initialize(page_size=st.sampled_from([1, 2, 4]), pages=st.integers(6, 40))
+    def setup(self, page_size, pages):
+        self.kv = RadixKVManager(pages * page_size, page_size, max_model_len=256)
+        self.running: list[FakeSeq] = []
+        self.written: dict[int, tuple[int, int]] = {}  # slot -> (token, position): the "KV"
+
+    def _compute(self, seq, n):
+        """The forward: write (token, position) into the slots of the next n positions."""
+        start = seq.num_computed_tokens
+        for pos, slot in zip(range(start, start + n), self.kv.slot_mapping(seq, start, start + n)):
+            self.written[slot] = (seq.token_ids[pos], pos)
+        seq.num_computed_tokens += n
+
+    @rule(key=keys(), chunk=st.integers(1, 12))
+    def admit(self, key, chunk):
+        seq = FakeSeq(key or [5])
+        hit = self.kv.get_computed_blocks(seq)
+        assert len(hit) * self.kv.page_size <= len(seq) - 1, "a hit leaves one token to run"
+        n = min(chunk, len(seq) - len(hit) * self.kv.page_size)
+        free_before = list(self.kv.free_pages)
+        if self.kv.allocate_slots(seq, n, hit):
+            seq.num_computed_tokens = len(hit) * self.kv.page_size
+            self._compute(seq, n)
+            self.running.append(seq)
+        else:
+            assert seq.seq_id not in self.kv.tables and list(self.kv.free_pages) == free_before
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 50), tok=st.integers(1, 3))
+    def step(self, i, tok):
+        """Prefill the next chunk, or (prompt done) sample a token and decode it."""
+        seq = self.running[i % len(self.running)]
+        if seq.num_computed_tokens == len(seq):
+            seq.outputs.append(tok)
+        n = min(4, len(seq) - seq.num_computed_tokens)
+        if self.kv.allocate_slots(seq, n):
+            self._compute(seq, n)
+
+    @precondition(lambda self: self.running)
+    @rule(i=st.integers(0, 50))
+    def finish(self, i):
+        seq = self.running.pop(i % len(self.running))
+        self.kv.free(seq)
+        self.kv.free(seq)  # twice is harmless
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "kv"):
+            return
+        self.kv.check_invariants()
+        for seq in self.running:  # nobody's computed KV was overwritten (eviction, reuse, duplicates)
+            slots = self.kv.slot_mapping(seq, 0, seq.num_computed_tokens)
+            assert [self.written.get(s) for s in slots] == \
+                [(t, p) for p, t in enumerate(seq.token_ids[: seq.num_computed_tokens])]
+        assert 0.0 <= self.kv.usage <= 1.0
+
+    def teardown(self):
+        if not hasattr(self, "kv"):
+            return
+        for seq in self.running:
+            self.kv.free(seq)
+        kv = self.kv
+        assert kv.tree.protected_size == 0 and kv.usage == 0.0, "a drained manager holds nothing"
+        kv.free_pages.extend(kv.tree.evict(10**9))
+        assert sorted(kv.free_pages) == list(range(kv.num_pages)), "nothing leaked"
+
+
+TestManager = ManagerMachine.TestCase
+TestManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_cached_pages_hold_their_tokens():
+    """After requests finish, what the tree maps a key to is what was written there (outputs included)."""
+    kv = RadixKVManager(64, 1, max_model_len=64)
+    written = {}
+    seq = FakeSeq([1, 2, 3, 4, 5])
+    assert kv.allocate_slots(seq, 5)
+    for p, s in enumerate(kv.slot_mapping(seq, 0, 5)):
+        written[s] = seq.token_ids[p]
+    seq.num_computed_tokens = 5
+    for tok in (7, 8):  # two decodes; the second sampled token has no KV yet when the request ends
+        seq.outputs.append(tok)
+        assert kv.allocate_slots(seq, 1)
+        written[kv.slot_mapping(seq, len(seq) - 1, len(seq))[0]] = tok
+        seq.num_computed_tokens += 1
+    seq.outputs.append(9)
+    kv.free(seq)
+    pages, _ = kv.tree.match_prefix([1, 2, 3, 4, 5, 7, 8, 9, 9])
+    assert [written[p] for p in pages] == [1, 2, 3, 4, 5, 7, 8], "prompt and output KV stay, the unwritten token not"
+
+
+def test_bad_page_size_is_named():
+    with pytest.raises(ValueError, match="page_size"):
+        RadixCache(0)
+    with pytest.raises(ValueError, match="page_size"):
+        RadixKVManager(64, 0)
+    with pytest.raises(ValueError, match="order="):
+        CacheAwareOrder("longest")
+
+
+# ---------------------------------------------------------------- the order
+
+class _S:
+    def __init__(self, sid, toks):
+        self.seq_id, self.token_ids = sid, toks
+
+    def __len__(self):
+        return len(self.token_ids)
+
+
+def test_longest_prefix_first_is_stable():
+    seqs = [_S(i, []) for i in range(5)]
+    hits = {0: 4, 1: 16, 2: 0, 3: 16, 4: 4}
+    assert [s.seq_id for s in longest_prefix_first(seqs, lambda s: hits[s.seq_id])] == [1, 3, 0, 4, 2]
+
+
+def test_dfs_weight_takes_the_heavier_subtree_first():
+    kv = RadixKVManager(200, 1)
+    kv.tree.insert([1, 1, 1, 1], list(range(4)))
+    kv.tree.insert([2, 2, 2, 2], list(range(4, 8)))
+    waiting = [_S(0, [1, 1, 1, 1, 5]), _S(1, [2, 2, 2, 2, 5]), _S(2, [2, 2, 2, 2, 6]), _S(3, [9, 9]),
+               _S(4, [2, 2, 2, 2, 7])]
+    order = [s.seq_id for s in dfs_weight_order(kv, waiting)]
+    assert order == [3, 1, 2, 4, 0], "the root's own request, then the subtree with three, then the one with one"
+    with pytest.raises(TypeError, match="RadixKVManager"):
+        dfs_weight_order(object(), waiting)
+
+
+# ---------------------------------------------------------------- the engine
+
+def _generate(**kw):
+    from tinypaged import LLM, SamplingParams
+
+    llm = LLM("tiny", block_size=4, kv_cache_tokens=160, max_num_seqs=4, **kw)
+    r = random.Random(0)
+    system = [r.randrange(1, 200) for _ in range(22)]
+    prompts = [{"prompt_token_ids": system + [r.randrange(1, 200) for _ in range(r.randint(1, 9))]} for _ in range(8)]
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    outs = llm.generate(prompts, sp)
+    follow = [{"prompt_token_ids": p["prompt_token_ids"] + list(o.outputs[0].token_ids) + [3]}
+              for p, o in zip(prompts[:2], outs)]
+    outs += llm.generate(follow, sp)
+    return llm, outs
+
+
+def test_every_manager_and_order_gives_the_same_tokens():
+    from tinypaged.scheduler import schedule_step
+
+    _, base = _generate()
+    want = [o.outputs[0].token_ids for o in base]
+    runs = {
+        "hashed, lpm": dict(enable_prefix_caching=True, scheduling_policy=CacheAwareOrder("lpm")),
+        "radix page 1, fcfs": dict(kv_cache_manager=RadixKVManager.factory(1), scheduling_policy=schedule_step),
+        "radix page 4, lpm": dict(kv_cache_manager=RadixKVManager.factory(), scheduling_policy=CacheAwareOrder()),
+        "radix page 1, dfs-weight": dict(kv_cache_manager=RadixKVManager.factory(1),
+                                         scheduling_policy=CacheAwareOrder("dfs-weight")),
+    }
+    hits = {}
+    for name, kw in runs.items():
+        llm, outs = _generate(**kw)
+        assert [o.outputs[0].token_ids for o in outs] == want, name
+        hits[name] = [o.metrics.num_cached_tokens for o in outs]
+        kv = llm.llm_engine.kv
+        if isinstance(kv, RadixKVManager):
+            kv.check_invariants()
+            assert kv.tree.protected_size == 0 and kv.usage == 0.0
+    # page 1 reuses the whole previous turn (prompt + outputs but the last sampled token) in the follow-ups
+    first_turn = [len(p) for p in [o.prompt_token_ids for o in base[:2]]]
+    assert hits["radix page 1, fcfs"][8:] == [n + 4 for n in first_turn]
+    assert all(h % 4 == 0 for h in hits["radix page 4, lpm"]), "page 4 hits whole pages only"
+    assert sum(hits["radix page 1, fcfs"]) > sum(hits["hashed, lpm"]), "token granularity finds partial blocks"
+
+
+def test_same_step_prefix_sharing_passes_the_slot_check():
+    """Regression: with a plug-in (so the cross-sequence slot check is on) and prefix caching, two requests
+    admitted in one step share the prefix the first is writing; the check took that for an overwrite."""
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.scheduler import schedule_step
+
+    llm = LLM("tiny", enable_prefix_caching=True, scheduling_policy=schedule_step, block_size=4, kv_cache_tokens=256)
+    p = {"prompt_token_ids": list(range(1, 40))}
+    outs = llm.generate([p, p], SamplingParams(max_tokens=3, temperature=0.0))
+    assert outs[1].metrics.num_cached_tokens == 36
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+
+
+class _FakeSched:
+    """What CacheAwareOrder reads: the waiting queue, arrival, and each request's prefix hit."""
+
+    def __init__(self, hits):
+        from collections import deque
+
+        self.waiting = deque(_S(i, [0] * 8) for i in range(len(hits)))
+        self.hits = hits
+
+    def arrived(self, seq):
+        return True
+
+    def prefix_hit(self, seq):
+        return [0] * self.hits[seq.seq_id]
+
+    def hit_tokens(self, computed):
+        return len(computed)
+
+
+class _Recorder:
+    def schedule(self, sched):
+        self.seen = [s.seq_id for s in sched.waiting]
+        return "out"
+
+
+@pytest.mark.parametrize("order, fcfs_above, want", [
+    ("lpm", 128, [1, 3, 0, 2]),
+    ("lpm", 3, [0, 1, 2, 3]),  # four waiting, over the cut-off: arrival order
+    ("fcfs", 128, [0, 1, 2, 3]),
+    (lambda seqs, cached: list(reversed(seqs)), 128, [3, 2, 1, 0]),  # a learner's own order plugs in
+])
+def test_cache_aware_order_reorders_only_the_view(order, fcfs_above, want):
+    sched, inner = _FakeSched([0, 8, 0, 5]), _Recorder()
+    assert CacheAwareOrder(order, fcfs_above, inner).schedule(sched) == "out"
+    assert inner.seen == want
+    assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3], "the scheduler's own queue keeps arrival order"
+
+
+# ---------------------------------------------------------------- workloads and the view
+
+def test_workloads_share_what_they_say():
+    from tinypaged.lab.prefix_workloads import all_workloads, few_shot, multi_turn_chat
+
+    fs = few_shot()
+    names = [r.name for r in fs.waves[0]]
+    assert names[:5] == ["task0q0", "task1q0", "task2q0", "task3q0", "task0q1"], "queries arrive interleaved"
+    assert fs.waves[0][0].tokens[:80] == fs.waves[0][4].tokens[:80] != fs.waves[0][1].tokens[:80]
+    chat = multi_turn_chat()
+    assert [r.parent for r in chat.waves[1]] == ["chat0t0", "chat1t0", "chat2t0"]
+    assert [w.name for w in all_workloads()] == [w.name for w in all_workloads()]  # seeded: same every call
+    assert all_workloads()[0].waves == all_workloads()[0].waves
+
+
+def test_replay_shows_the_partial_block_and_the_reply():
+    from tinypaged.lab.radix_view import replay, tree_lines
+
+    system = list(range(1, 11))
+    snaps = replay([("arrive", "A", system + [20, 21, 22]), ("arrive", "B", system + [30, 31]),
+                    ("finish", "A", [40, 41, 42]), ("arrive", "C", system + [20, 21, 22, 40, 41, 42, 60])], 40, 4)
+    assert snaps[2].hits == {"radix": 10, "blocks": 8}, "the tree finds the whole system prompt, blocks of 4 only 8"
+    assert snaps[4].hits == {"radix": 15, "blocks": 12}, "A's reply, but its last token, serves C"
+    assert "lock 1" in tree_lines(snaps[2])[1] and "evicted next" in "".join(tree_lines(snaps[3]))
+
+
+def test_slot_check_still_catches_an_overwrite_of_other_tokens():
+    """The same-step exemption covers only the very token at the very position: a manager that maps a new
+    request onto slots another request has cached, with other tokens, is still stopped."""
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.interfaces import InvariantError
+
+    class SameSlots(RadixKVManager):
+        def slot_mapping(self, seq, start, end):
+            return list(range(start, end))  # every sequence writes from slot 0: B lands on A's cached keys
+
+    llm = LLM("tiny", kv_cache_manager=lambda spec: SameSlots(spec.capacity_tokens, 1, spec.max_model_len),
+              kv_cache_tokens=256, max_num_seqs=2, max_num_batched_tokens=20)
+    prompts = [{"prompt_token_ids": list(range(1, 21))}, {"prompt_token_ids": list(range(50, 60))}]
+    with pytest.raises(InvariantError, match="overwrite slot"):
+        llm.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+
+
+def test_a_split_ties_two_leaves_and_the_older_goes_first():
+    """Regression: an insert that splits an edge stamps both the remainder and the new leaf; eviction must break
+    the tie the same way every run (creation order), or a check's expected pages depend on memory addresses."""
+    tree = RadixCache(1)
+    tree.insert([1, 2, 3], [10, 11, 12])
+    tree.insert([1, 2, 4], [20, 21, 22])
+    leaves = [n for n in tree.nodes() if not n.children]
+    assert len({n.last_access for n in leaves}) == 1, "the remainder [3] and the new leaf [4] share a stamp"
+    assert tree.evict(1) == [12], "the remainder, created first, is evicted first"

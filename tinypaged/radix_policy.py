@@ -1,0 +1,103 @@
+"""Stage 7: cache-aware scheduling, SGLang's ``lpm`` (longest prefix match first) and ``dfs-weight``.
+
+SGLang's policy only *orders* the waiting queue (``managers/schedule_policy.py``, ``calc_priority``);
+admission then runs as usual. Here too: ``CacheAwareOrder`` hands the engine's own continuous step
+(``tinypaged.scheduler.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
+``waiting`` is reordered, and changes nothing else. Admission, the token budget, preemption and the
+checks are the inner policy's.
+
+* ``"lpm"`` (SGLang paper and today): arrived requests with the longest cached prefix go first (ties
+  keep arrival order). Works with any KV manager's ``get_computed_blocks``: hashed blocks or the tree.
+* ``"dfs-weight"`` (SGLang today): walk the radix tree depth first, heavier subtrees (more waiting
+  requests under them) first, and take requests in that order; it needs a ``RadixKVManager``.
+* ``"fcfs"``: arrival order (SGLang's default today).
+* a function ``order(seqs, cached_tokens) -> seqs`` (a learner's ordering; course-only).
+
+Above ``fcfs_above`` arrived requests (SGLang: 128) ``lpm`` falls back to FCFS: matching every waiting
+prompt against the cache each step costs time proportional to the queue (SGLang applies the cut-off to
+``lpm`` and its ``hrrn``, not to ``dfs-weight``; so does this class). SGLang's ``lpm`` also holds back
+waiting requests that share a short uncached prefix with one already chosen ("in-batch prefix caching");
+here that role is played by publishing prompts at allocation, so same-step requests share them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ORDERS = ("lpm", "dfs-weight", "fcfs")
+
+
+class _ReorderedView:
+    """The scheduler, with ``waiting`` replaced by a reordered copy; everything else is the scheduler's own
+    (``admit`` removes from the real queue whatever the order)."""
+
+    def __init__(self, sched, waiting):
+        self._sched, self.waiting = sched, waiting
+
+    def __getattr__(self, name):
+        return getattr(self._sched, name)
+
+
+class CacheAwareOrder:
+    """A ``SchedulingPolicy``: ``LLM(scheduling_policy=CacheAwareOrder("lpm"))``."""
+
+    def __init__(self, order: str = "lpm", fcfs_above: int = 128, inner=None):
+        if not callable(order) and order not in ORDERS:
+            raise ValueError(f"order={order!r}: use one of {', '.join(ORDERS)}, or a function "
+                             f"order(seqs, cached_tokens) -> seqs in the order to admit them")
+        if fcfs_above < 0:
+            raise ValueError(f"fcfs_above must be >= 0, got {fcfs_above}")
+        if inner is None:
+            from tinypaged.scheduler import PlanPolicy
+
+            inner = PlanPolicy()
+        self.order, self.fcfs_above, self.inner = order, fcfs_above, inner
+        self.num_reordered = 0  # steps whose admission order differed from arrival order
+
+    def schedule(self, sched):
+        queue = list(sched.waiting)
+        arrived = [s for s in queue if sched.arrived(s)]
+        later = [s for s in queue if not sched.arrived(s)]
+        too_many = self.order != "dfs-weight" and len(arrived) > self.fcfs_above
+        if self.order == "fcfs" or too_many or len(arrived) < 2:
+            return self.inner.schedule(sched)
+        ordered = self.rank(sched, arrived)
+        if [s.seq_id for s in ordered] != [s.seq_id for s in arrived]:
+            self.num_reordered += 1
+        return self.inner.schedule(_ReorderedView(sched, deque(ordered + later)))
+
+    def rank(self, sched, arrived: list) -> list:
+        cached = lambda s: sched.hit_tokens(sched.prefix_hit(s))  # noqa: E731
+        if callable(self.order):  # a learner's ordering
+            return list(self.order(list(arrived), cached))
+        if self.order == "lpm":
+            return longest_prefix_first(arrived, cached)
+        return dfs_weight_order(sched.kv, arrived)
+
+
+def longest_prefix_first(seqs: list, cached_tokens) -> list:
+    """``seqs`` sorted by ``cached_tokens(seq)``, longest first; equal ones keep their order."""
+    hits = {s.seq_id: cached_tokens(s) for s in seqs}
+    return sorted(seqs, key=lambda s: -hits[s.seq_id])
+
+
+def dfs_weight_order(kv, seqs: list) -> list:
+    """Depth-first over the radix tree from the root, children with more waiting requests first;
+    each node's own requests come before its children's (they share the most with what runs now)."""
+    tree = getattr(kv, "tree", None)
+    if tree is None or not hasattr(tree, "match_prefix"):
+        raise TypeError(f"order='dfs-weight' walks a radix tree: it needs a RadixKVManager, got {type(kv).__name__}")
+    at: dict[int, list] = {}
+    for s in seqs:
+        _, node = tree.match_prefix(s.token_ids[: len(s) - 1])
+        at.setdefault(node.id, []).append(s)
+    weight = {n.id: len(at.get(n.id, ())) for n in [tree.root, *tree.nodes()]}
+    for node in reversed(list(tree.nodes())):  # children before parents: subtree sums
+        weight[node.parent.id] += weight[node.id]
+    order, stack = [], [tree.root]
+    while stack:
+        node = stack.pop()
+        order += at.get(node.id, [])
+        kids = sorted((c for c in node.children.values() if weight[c.id]), key=lambda c: (weight[c.id], -c.id))
+        stack.extend(kids)  # the heaviest child is popped first
+    return order
