@@ -70,7 +70,8 @@ class StackBlockManager:
 
 def fcfs_step(running, waiting, budget, max_num_seqs, kv):
     """A learner's continuous step: decode/prefill the running in order (preempting the newest when
-    memory runs out), then admit waiting requests while the budget and max_num_seqs allow."""
+    memory runs out), then admit waiting requests while the budget and max_num_seqs allow. The plan
+    lists the request objects it was given (not their ids)."""
     from types import SimpleNamespace
 
     plan = SimpleNamespace(scheduled=[], preempted=[])
@@ -82,11 +83,11 @@ def fcfs_step(running, waiting, budget, max_num_seqs, kv):
         while not kv.allocate(req, n):
             victim = running.pop()
             kv.free(victim)
-            plan.preempted.append(victim.request_id)
+            plan.preempted.append(victim)
             if victim is req:
                 break
         else:
-            plan.scheduled.append((req.request_id, n))
+            plan.scheduled.append((req, n))
             budget -= n
     if plan.preempted:
         return plan
@@ -95,7 +96,7 @@ def fcfs_step(running, waiting, budget, max_num_seqs, kv):
         if n == 0 or len(running) >= max_num_seqs or not kv.allocate(req, n):
             break
         running.append(req)
-        plan.scheduled.append((req.request_id, n))
+        plan.scheduled.append((req, n))
         budget -= n
     return plan
 
@@ -146,7 +147,7 @@ def test_scheduling_policy_plugin_serves_the_engine():
 
 
 def test_scheduling_policy_object_plugin():
-    from tinypaged.scheduler import PlanPolicy, schedule_step
+    from tinypaged.policies import PlanPolicy, schedule_step
 
     class Logged(PlanPolicy):
         steps = 0
@@ -236,8 +237,19 @@ def test_policy_scheduling_without_allocating_is_caught():
     def no_alloc(running, waiting, budget, max_num_seqs, kv):
         from types import SimpleNamespace
 
-        return SimpleNamespace(scheduled=[(r.request_id, 1) for r in list(waiting)[:1]], preempted=[])
+        return SimpleNamespace(scheduled=[(r, 1) for r in list(waiting)[:1]], preempted=[])
 
     llm = LLM("tiny", scheduling_policy=no_alloc, **TINY)
     with pytest.raises(InvariantError, match="allocate exactly what you schedule"):
+        llm.generate(PROMPTS, GREEDY)
+
+
+def test_policy_returning_ids_is_caught():
+    def ids_plan(running, waiting, budget, max_num_seqs, kv):
+        plan = fcfs_step(running, waiting, budget, max_num_seqs, kv)
+        plan.scheduled = [(r.request_id, n) for r, n in plan.scheduled]
+        return plan
+
+    llm = LLM("tiny", scheduling_policy=ids_plan, **TINY)
+    with pytest.raises(InvariantError, match="not their ids"):
         llm.generate(PROMPTS, GREEDY)

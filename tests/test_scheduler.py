@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from tinypaged import LLM, EngineConfig, SamplingParams
+from tinypaged.interfaces import InvariantError
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 
@@ -91,7 +92,7 @@ def test_budget_is_respected_every_step_and_long_prompt_is_chunked():
     for h in llm.llm_engine.history:
         assert h["num_prefill_tokens"] + h["num_decode_tokens"] <= 16
     # request 3 has a 40-token prompt: it is prefilled in pieces of at most 16 tokens
-    chunks = [s.num_tokens for st in steps for s in st.scheduled if s.seq.request_id == "3" and s.kind == "prefill"]
+    chunks = [s.num_tokens for st in steps for s in st.scheduled if s.seq.request_id == "3" and s.is_prefill]
     assert sum(chunks) == 40 and len(chunks) >= 3 and max(chunks) <= 16
 
 
@@ -99,7 +100,7 @@ def test_without_chunking_a_prompt_waits_for_a_step_with_room():
     llm = tiny(max_num_seqs=8, max_num_batched_tokens=48, enable_chunked_prefill=False, max_model_len=48,
                num_gpu_blocks_override=256)
     steps = run_steps(llm, PROMPTS, PARAMS)
-    chunks = [s.num_tokens for st in steps for s in st.scheduled if s.seq.request_id == "3" and s.kind == "prefill"]
+    chunks = [s.num_tokens for st in steps for s in st.scheduled if s.seq.request_id == "3" and s.is_prefill]
     assert chunks == [40]
     assert steps[0].trace() == "step   0 | 0:p5 1:p23 2:p9"  # 40 more would pass the budget: request 3 waits
 
@@ -114,7 +115,7 @@ def test_running_requests_are_scheduled_before_new_ones():
     engine.add_request("c", {"prompt_token_ids": list(range(10, 40))}, sp)
     step = engine.step()
     assert step.trace() == "step   1 | a:d1 b:d1 c:p14"  # decodes first, the prompt gets what is left
-    assert [s.kind for s in step.scheduled] == ["decode", "decode", "prefill"]
+    assert [s.is_prefill for s in step.scheduled] == [False, False, True]
 
 
 def test_max_num_seqs_caps_the_batch():
@@ -267,10 +268,10 @@ def test_static_batching_leaves_idle_slots_continuous_does_not_wait():
     assert cont.get_metrics()["num_steps"] < m["num_steps"]
 
 
-# -- the policy in miniature (scheduler.schedule_step) and the stage-4 checks ------------------------
+# -- the policy in miniature (policies.schedule_step) and the stage-4 checks ------------------------
 def test_schedule_step_replays_the_engine():
     """The exercise's pure policy, run over block counts, makes the engine's decisions step by step."""
-    from tinypaged.scheduler import BlockCounter, PlanRequest, schedule_step
+    from tinypaged.policies import BlockCounter, PlanRequest, schedule_step
 
     llm = tiny(max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=14)
     steps = run_steps(llm, PROMPTS, PARAMS)
@@ -287,34 +288,35 @@ def test_schedule_step_replays_the_engine():
             r.num_new_tokens = total[r.request_id] + out[r.request_id] - computed[r.request_id]
         plan = schedule_step(running, waiting, 16, 4, kv)
         got = [(s.seq.request_id, s.num_tokens) for s in st.scheduled]
-        assert (plan.scheduled, plan.preempted) == (got, [v.request_id for v in st.preempted]), st.trace()
-        by_id = {r.request_id: r for r in running + waiting}
-        for rid in plan.preempted:  # recompute: back to the front of the queue, tokens kept
-            running.remove(by_id[rid])
-            waiting.insert(0, by_id[rid])
-            computed[rid] = 0
-        for rid, n in plan.scheduled:
-            if by_id[rid] in waiting:
-                waiting.remove(by_id[rid])
-                running.append(by_id[rid])
+        assert ([(r.request_id, n) for r, n in plan.scheduled], [r.request_id for r in plan.preempted]) == \
+            (got, [v.request_id for v in st.preempted]), st.trace()
+        for req in plan.preempted:  # recompute: back to the front of the queue, tokens kept
+            running.remove(req)
+            waiting.insert(0, req)
+            computed[req.request_id] = 0
+        for req, n in plan.scheduled:
+            rid = req.request_id
+            if req in waiting:
+                waiting.remove(req)
+                running.append(req)
             computed[rid] += n
             if computed[rid] == total[rid] + out[rid]:
                 out[rid] += 1
                 if out[rid] == max_out[rid]:
-                    running.remove(by_id[rid])
-                    kv.free(by_id[rid])
+                    running.remove(req)
+                    kv.free(req)
 
 
 def _broken_schedule_steps():
     import inspect
 
-    import tinypaged.scheduler as S
+    import tinypaged.policies as P
 
-    src = inspect.getsource(S.schedule_step)
+    src = inspect.getsource(P.schedule_step)
 
     def variant(old, new):
         assert old in src
-        ns = dict(vars(S))
+        ns = dict(vars(P))
         exec(src.replace(old, new), ns)
         return ns["schedule_step"]
 
@@ -322,10 +324,11 @@ def _broken_schedule_steps():
         "admits in a preempting step": variant("    if plan.preempted:\n        return plan\n", ""),
         "first victim": variant("victim = pick_victim(running)", "victim = running[0]"),
         "ignores the budget": variant("n = min(req.num_new_tokens, budget)", "n = req.num_new_tokens"),
-        "ignores max_num_seqs": variant(" or num_seqs + seqs > max_num_seqs", ""),
+        "ignores max_num_seqs": variant(" or num_seqs + req.num_seqs > max_num_seqs", ""),
         "skips a request that does not fit": variant("        if not kv.allocate(req, n):\n            break",
                                                      "        if not kv.allocate(req, n):\n            continue"),
         "waiting first": variant("    i = 0\n", "    i = len(running)\n"),
+        "returns ids": variant("plan.scheduled.append((req, n))", "plan.scheduled.append((req.request_id, n))"),
     }
 
 
@@ -342,3 +345,144 @@ def test_pick_victim_check_fails_broken_choices(broken):
     from tinypaged.course import checks
 
     assert checks.evaluate("pick_victim", broken)[0] == checks.FAIL
+
+
+# -- swap preemption with n > 1: siblings leave and come back together ------------------------------
+@pytest.mark.parametrize("parallel_sampling", ["fork", "fanout"])
+def test_swap_with_siblings_that_outgrow_the_cache_completes_like_recompute(parallel_sampling):
+    """Regression: two samples of one prompt in 3 blocks of 4. The second sample's decode finds no
+    block, and swapping takes the first (already scheduled this step) along: it used to raise
+    "scheduled but not running". Back together they can never fit, so they are recomputed."""
+    prompt = {"prompt_token_ids": [10, 10, 10]}
+    sp = SamplingParams(n=2, max_tokens=6, temperature=0)
+    outs, steps = {}, {}
+    for mode in ("recompute", "swap"):
+        llm = LLM("tiny", dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=3,
+                  preemption_mode=mode, parallel_sampling=parallel_sampling)
+        steps[mode] = run_steps(llm, prompt, sp)
+        outs[mode] = [c.token_ids for st in steps[mode] for o in st.finished for c in o.outputs]
+        assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv.usage == 0
+    assert outs["swap"] == outs["recompute"] and all(len(t) == 6 for t in outs["swap"])
+    swapped = [v for st in steps["swap"] for v in st.preempted]
+    assert len(swapped) == 2 and {v.index for v in swapped} == {0, 1}, "both siblings were swapped together"
+
+
+@pytest.mark.parametrize("parallel_sampling", ["fork", "fanout"])
+def test_swapped_siblings_leave_together_and_match_recompute(parallel_sampling):
+    """n = 3 samples under memory pressure: a preempted request's running samples go to CPU memory
+    as one group (this used to raise "scheduled but not running" when a sibling had already been
+    scheduled in that step); forks come back as one group; greedy tokens are recompute mode's."""
+    params = [SamplingParams(temperature=0, n=3, max_tokens=m, ignore_eos=True) for m in [12, 4, 9, 6, 15, 7]]
+    got, resumed, sizes = {}, False, []
+    for mode in ("recompute", "swap"):
+        llm = tiny(max_num_seqs=8, max_num_batched_tokens=16, num_gpu_blocks_override=20, preemption_mode=mode,
+                   parallel_sampling=parallel_sampling)
+        engine = llm.llm_engine
+        for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(str(i), p, sp)
+        outs, groups = [], []
+        while engine.has_unfinished_requests():
+            st = engine.step()
+            outs += st.finished
+            ids = {s.seq.seq_id for s in st.scheduled}
+            for g in groups:
+                if parallel_sampling == "fork" and g & ids:
+                    assert g <= ids, "a swapped group of forks resumes all at once"
+                    resumed = True
+            groups = [g for g in groups if not g & ids]
+            if mode == "swap" and st.preempted:
+                swapped = {v.seq_id for v in st.preempted if v.status.value == "swapped"}
+                sizes.append(len(swapped))
+                groups.append(swapped)
+        got[mode] = sorted((o.request_id, [c.token_ids for c in o.outputs]) for o in outs)
+        assert engine.kv.usage == 0
+    assert got["swap"] == got["recompute"]
+    assert max(sizes) > 1, "a request's running samples were swapped out together"
+    assert resumed or parallel_sampling == "fanout"
+
+
+# -- the engine runs schedule_step on its own requests ------------------------------------------------
+def test_the_step_sees_the_schedulers_requests_and_kv():
+    from tinypaged.scheduler import QueuedRequest, StepKV
+
+    seen = {}
+
+    def step(running, waiting, budget, max_num_seqs, kv):
+        from tinypaged.policies import schedule_step
+
+        seen.setdefault("types", set()).update(type(r) for r in list(running) + list(waiting))
+        seen["kv"] = type(kv)
+        return schedule_step(running, waiting, budget, max_num_seqs, kv)
+
+    llm = tiny(scheduling_policy=step, num_gpu_blocks_override=64)
+    sp = SamplingParams(temperature=0, n=2, max_tokens=3, ignore_eos=True)
+    outs = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp)
+    assert seen == {"types": {QueuedRequest}, "kv": StepKV}
+    assert len(outs[0].outputs) == 2
+
+
+def test_a_plan_of_ids_is_refused_with_the_rule():
+    def ids_step(running, waiting, budget, max_num_seqs, kv):
+        from tinypaged.policies import schedule_step
+
+        plan = schedule_step(running, waiting, budget, max_num_seqs, kv)
+        plan.scheduled = [(r.request_id, n) for r, n in plan.scheduled]
+        return plan
+
+    llm = tiny(scheduling_policy=ids_step, num_gpu_blocks_override=64)
+    with pytest.raises(InvariantError, match="request objects it was given.*not their ids"):
+        llm.generate(PROMPTS[:2], PARAMS[:2])
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_waiting_requests_are_looked_up_only_as_far_as_the_policy_reads():
+    """Per-step work is O(batch): with 40 queued requests and room for 2, a step looks up the
+    prefix cache for a few waiting requests, never for the whole queue."""
+    llm = tiny(max_num_seqs=2, num_gpu_blocks_override=256, enable_prefix_caching=True)
+    engine = llm.llm_engine
+    lookups = []
+    real = engine.kv.get_computed_blocks
+    engine.kv.get_computed_blocks = lambda seq: (lookups.append(seq.seq_id), real(seq))[1]
+    sp = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(40):
+        engine.add_request(f"q{i}", {"prompt_token_ids": [5 + i, 6, 7, 8, 9]}, sp)
+    per_step = []
+    while engine.has_unfinished_requests():
+        before = len(lookups)
+        engine.step()
+        per_step.append(len(lookups) - before)
+    assert max(per_step) <= 3, per_step  # 2 admitted + the first that does not fit
+
+
+def test_scheduled_seq_kind_is_a_boolean_taken_when_scheduled():
+    from tinypaged.sched_output import ScheduledSeq
+
+    llm = tiny(num_gpu_blocks_override=64)
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=3))
+    first, second = engine.step(), engine.step()
+    assert [s.is_prefill for s in first.scheduled] == [True] and [s.is_prefill for s in second.scheduled] == [False]
+    with pytest.raises(TypeError):
+        ScheduledSeq(first.scheduled[0].seq, 1, "prefill")  # the string form is gone
+
+
+def test_beam_search_appends_through_the_scheduler():
+    """The scheduler owns progress: beam tokens are appended by ``Scheduler.append_tokens``, so each
+    beam's token times are recorded like a sampled sequence's."""
+    from tinypaged import BeamSearchParams
+
+    llm = tiny(num_gpu_blocks_override=64)
+    sched = llm.llm_engine.scheduler
+    calls, beams = [], []
+    real = sched.append_tokens
+
+    def spy(seqs, tokens, logprobs, now=None):
+        calls.append(len(seqs))
+        beams.extend(seqs)
+        return real(seqs, tokens, logprobs, now)
+
+    sched.append_tokens = spy
+    out = llm.beam_search([{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))
+    assert calls and len(out[0].sequences) == 2
+    for b in beams:
+        assert b.times.first_token is not None and b.times.token_times and b.cumulative_logprob < 0

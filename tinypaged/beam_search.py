@@ -11,7 +11,8 @@ Each beam is a running ``Sequence`` in the engine's scheduler. One ``engine.step
 2. one forward over all beams of all prompts, then, instead of sampling, ``select_tokens`` here:
    log-softmax, and per prompt the best ``K`` (beam, token) candidates by cumulative log-probability;
 3. the chosen parents are forked through the scheduler (a parent chosen ``m`` times becomes ``m``
-   beams sharing its blocks), and the beams nobody chose are finished and freed.
+   beams sharing its blocks), the beams nobody chose are finished and freed, and each beam's
+   token is appended by the scheduler (``Scheduler.append_tokens``): progress has one owner.
 
 Selection follows Hugging Face's ``generate(num_beams=W, do_sample=False)`` (transformers 5), so the
 tests can use it as the oracle:
@@ -193,9 +194,9 @@ def _advance(sched, st: _PromptState, logprobs: torch.Tensor, params: BeamSearch
         else:
             taken.add(parent)
             beams.append(p)
-    for b, (parent, token, val, _) in zip(beams, running):
-        b.output_token_ids.append(token)
-        b.cumulative_logprob = float(val)
+    # the scheduler owns progress: it appends each beam's token (with its log-probability and time)
+    sched.append_tokens(beams, [token for _, token, _, _ in running],
+                        [float(logprobs[parent, token]) for parent, token, _, _ in running])
     st.beams = beams
     st.scores = torch.stack([c[2] for c in running])
 

@@ -81,14 +81,18 @@ class KVCacheManager(Protocol):
 class SchedulingPolicy(Protocol):
     """Chooses the next step's batch from ``scheduler.waiting`` and ``scheduler.running``.
 
-    ``schedule(scheduler)`` returns a ``SchedulerOutput`` and may only change state through the
-    scheduler's actions (``allocate``, ``admit``, ``preempt``), which keep the queues and the KV
-    manager consistent. The engine then checks (``check_schedule``): each scheduled sequence is
-    running and appears once; it gets between 1 and its uncomputed tokens; the step's tokens fit
-    ``max_num_batched_tokens``; no more than ``max_num_seqs`` sequences run.
+    ``schedule(scheduler)`` returns a ``tinypaged.sched_output.SchedulerOutput`` and may only change
+    state through the scheduler's actions (``allocate``, ``admit``, ``preempt``), which keep the
+    queues and the KV manager consistent. The engine then checks (``check_schedule``): each
+    scheduled sequence is running and appears once; it gets between 1 and its uncomputed tokens;
+    the step's tokens fit ``max_num_batched_tokens``; no more than ``max_num_seqs`` sequences run.
 
-    A plain function shaped like ``tinypaged.scheduler.schedule_step`` also plugs in (the engine
-    wraps it in ``PlanPolicy``).
+    A plain function shaped like ``tinypaged.policies.schedule_step`` also plugs in (the engine
+    wraps it in ``PlanPolicy``): ``step(running, waiting, budget, max_num_seqs, kv)`` gets the
+    scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``) and a ``kv`` with
+    ``allocate(req, n) -> bool`` and ``free(req)`` acting on the real queues and cache, and returns
+    a plan whose ``scheduled`` lists ``(request, num_tokens)`` and ``preempted`` the requests, both
+    as the objects it was given (ids are refused: the n samples of one request share an id).
     """
 
     def schedule(self, scheduler): ...

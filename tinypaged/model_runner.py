@@ -79,7 +79,7 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(self.kv.slot_mapping(seq, start, start + n))
-            if item.kind == "decode":
+            if not item.is_prefill:
                 decode_rows.append(row0)
                 decode_seqs.append(seq)
             else:
@@ -205,7 +205,7 @@ class ModelRunner:
         through ``prepare`` with a throw-away contiguous cache, like any step."""
         from tinypaged.contiguous import ContiguousKVManager
         from tinypaged.sampling_params import SamplingParams
-        from tinypaged.scheduler import ScheduledSeq
+        from tinypaged.sched_output import ScheduledSeq
         from tinypaged.sequence import Sequence
 
         n = max_num_batched_tokens
@@ -217,7 +217,7 @@ class ModelRunner:
         for size in sizes:
             seq = Sequence("profile", [0] * size, SamplingParams(max_tokens=1))
             kv.allocate_slots(seq, size)
-            batch.append(ScheduledSeq(seq, size, "prefill"))
+            batch.append(ScheduledSeq(seq, size))
         saved = self.kv, self.tensors, self.capacity, self.check_invariants
         self.kv, self.tensors, self.capacity, self.check_invariants = kv, scratch, slots, False
         try:

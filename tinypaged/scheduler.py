@@ -1,167 +1,209 @@
-"""Stage 4: who runs in the next step, and the bookkeeping of every request's progress.
+"""Stage 4: the queues, and the bookkeeping of every request's progress.
 
 The ``Scheduler`` owns the queues (``waiting``, ``running``, and ``swapped`` for vLLM v0's swap
 preemption) and each sequence's progress: it admits, preempts, advances ``num_computed_tokens``
-after a forward, appends sampled tokens, finishes and frees. *Which* sequences run is decided by a
-scheduling policy (``tinypaged.interfaces.SchedulingPolicy``), two of which ship here:
+after a forward, appends tokens, finishes and frees. *Which* sequences run is decided by a
+scheduling policy (``tinypaged.policies``; the contract is ``tinypaged.interfaces.SchedulingPolicy``).
 
-* ``StaticBatching`` (the pre-Orca baseline): form a batch, run it until every member finishes,
-  then form the next. A request joins only when the memory it could ever need is guaranteed, so
-  nothing is preempted.
-* continuous batching (vLLM v1's iteration-level scheduling): ``schedule_step`` below, run on the
-  engine's real queues through ``PlanPolicy``. Every step is a new batch. Running sequences go first
-  (a decode costs one token of the ``max_num_batched_tokens`` budget, a prefill chunk its length);
-  waiting requests are admitted in arrival order with what is left. When the KV cache runs out, the
-  most recently admitted running sequence is preempted (recompute: its blocks are freed and it
-  re-queues at the front keeping its generated tokens). A step that preempted admits nothing new.
-
-A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduling_policy=my_step)``.
+Continuous batching is the exercise's ``schedule_step`` itself: ``run_step`` hands it the
+scheduler's own requests (``QueuedRequest``: running sequences, then swapped groups and arrived
+waiting sequences, read lazily) and a ``StepKV`` whose ``allocate`` / ``free`` act on the real
+queues and KV manager at once. The step's output is a ``tinypaged.sched_output.SchedulerOutput``.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from tinypaged.block_manager import blocks_needed
 from tinypaged.interfaces import InvariantError
+from tinypaged.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
+                                pick_victim, schedule_step)
+from tinypaged.sched_output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from tinypaged.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("tinypaged")
 
 
-def pick_victim(running: list):
-    """vLLM v1's preemption victim: the most recently admitted running request (``running`` is kept
-    in admission order). Under first-come-first-served, the latest arrival yields first, so earlier
-    requests keep their place (the paper's fairness rule, section 4.5)."""
-    return running[-1]
+# -- what a schedule_step sees of the scheduler ----------------------------------------------------
+@dataclass(eq=False)
+class QueuedRequest(PlanRequest):
+    """A ``PlanRequest`` backed by the scheduler's own sequences: one running or waiting sequence,
+    or (on the waiting side) a swapped group of siblings that resume together. ``request_id`` is
+    the request's real id (the n samples of one request share it). ``computed`` holds the
+    prefix-cache blocks found for a waiting sequence, already subtracted from ``num_new_tokens``."""
+
+    seqs: tuple = ()
+    computed: list = field(default_factory=list)
+    waiting: bool = False
+
+    @classmethod
+    def of(cls, seqs, num_new_tokens: int, computed=(), waiting: bool = False) -> "QueuedRequest":
+        return cls(seqs[0].request_id, num_new_tokens, sum(1 + s.pending_forks for s in seqs), tuple(seqs),
+                   list(computed), waiting)
 
 
-@dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_tokens: int
-    kind: str  # "prefill" or "decode"
+class _LazyList(collections.abc.Sequence):
+    """A read-only list made only as far as it is read, so a step that reads k waiting requests
+    costs k prefix-cache lookups, not one per queued request."""
+
+    def __init__(self, items):
+        self._source, self._items = iter(items), []
+
+    def _fill(self, upto: int | None) -> None:
+        while upto is None or len(self._items) <= upto:
+            nxt = next(self._source, None)
+            if nxt is None:
+                return
+            self._items.append(nxt)
+
+    def __getitem__(self, i):
+        self._fill(i if isinstance(i, int) and i >= 0 else None)
+        return self._items[i]
+
+    def __len__(self) -> int:
+        self._fill(None)
+        return len(self._items)
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_idle_slots: int = 0  # static batching: batch slots whose sequence has already finished
+class StepKV:
+    """The ``kv`` a ``schedule_step`` drives: the scheduler's KV manager and queues, for one step.
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    * ``allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` now and says whether it
+      could: a waiting sequence with its prefix-cache hit; a swapped group is swapped back in (all
+      or nothing, every sibling with all its tokens) and runs again.
+    * ``free(req)`` preempts a running ``req`` now (recompute; or swap, taking its running siblings
+      along: a sibling swapped out that way is left out of this step even if the step allocates it).
+    * ``run(step_fn)`` calls the step; ``output(plan)`` admits the scheduled waiting sequences and
+      returns the step's ``SchedulerOutput``; ``requeue()`` then puts the preempted at the front of
+      their queues (not before: the waiting queue does not change while a step reads it).
 
-
-# -- the continuous policy: one step, on plain objects ---------------------------------------------
-@dataclass
-class PlanRequest:
-    """A request as the policy sees it: an id, how many tokens it still has to compute (the rest of
-    its prompt while prefilling, 1 while decoding), and how many sequences it will run as (n > 1
-    samples forked after the prompt count n against ``max_num_seqs`` from the start)."""
-
-    request_id: object
-    num_new_tokens: int
-    num_seqs: int = 1
-
-
-@dataclass
-class StepPlan:
-    scheduled: list[tuple[object, int]] = field(default_factory=list)  # (request_id, tokens this step)
-    preempted: list[object] = field(default_factory=list)
-
-
-def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv, chunked_prefill: bool = True) -> StepPlan:
-    """One continuous-batching step (vLLM v1's rules). The engine runs exactly this function.
-
-    ``running`` is in admission order, ``waiting`` in queue order; neither is modified.
-    ``kv.allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` and says whether it
-    could; ``kv.free(req)`` preempts ``req`` (releases everything it holds).
-
-    1. Running requests first, in order: each takes ``min(num_new_tokens, budget)`` tokens (without
-       chunked prefill, a request whose tokens do not all fit waits for a later step). When the KV
-       cache cannot hold them, preempt ``pick_victim`` of the running requests and retry; if the
-       victim is the request itself, move on.
-    2. Only if nothing was preempted: admit waiting requests in queue order while there is budget
-       and room under ``max_num_seqs``; stop at the first that does not fit.
+    Rules it enforces (``InvariantError``): a plan lists the request objects it was given, each with
+    exactly the tokens ``allocate`` granted it; no waiting request keeps an allocation it was not
+    scheduled for; only running requests are freed.
     """
-    plan = StepPlan()
-    running = list(running)
-    i = 0
-    while i < len(running) and budget > 0:
-        req = running[i]
-        n = min(req.num_new_tokens, budget)
-        if n < req.num_new_tokens and not chunked_prefill:
-            i += 1
-            continue
-        while not kv.allocate(req, n):
-            victim = pick_victim(running)
-            running.remove(victim)
-            kv.free(victim)
-            plan.preempted.append(victim.request_id)
-            if victim is req:
-                break
-        else:
-            plan.scheduled.append((req.request_id, n))
-            budget -= n
-            i += 1
-    if plan.preempted:
-        return plan
-    num_seqs = sum(getattr(r, "num_seqs", 1) for r in running)
-    for req in waiting:
-        seqs = getattr(req, "num_seqs", 1)
-        if budget <= 0 or num_seqs + seqs > max_num_seqs:
-            break
-        n = min(req.num_new_tokens, budget)
-        if n < req.num_new_tokens and not chunked_prefill:
-            break
-        if not kv.allocate(req, n):
-            break
-        running.append(req)
-        num_seqs += seqs
-        plan.scheduled.append((req.request_id, n))
-        budget -= n
-    return plan
 
+    def __init__(self, sched: "Scheduler"):
+        self.sched = sched
+        self.allocated: dict[QueuedRequest, int] = {}
+        self.preempted: list[Sequence] = []
+        self.victims: list[list[Sequence]] = []  # preempted groups, to requeue when the step is over
+        self.swept: set[int] = set()  # seq ids swapped out together with a preempted sibling
 
-class BlockCounter:
-    """A KV cache reduced to block counting, for ``schedule_step``: ``num_blocks`` blocks of
-    ``block_size`` tokens; ``held`` maps request id -> tokens it holds."""
+    def run(self, step_fn) -> SchedulerOutput:
+        """One step: the running sequences, the waiting side (read lazily), the budget, and this as ``kv``."""
+        cfg, sched = self.sched.config, self.sched
+        running = [QueuedRequest.of((s,), s.num_uncomputed_tokens) for s in sched.running]
+        extra = {} if cfg.enable_chunked_prefill else {"chunked_prefill": False}
+        try:
+            plan = step_fn(running, _LazyList(self._queued()), cfg.max_num_batched_tokens, cfg.max_num_seqs, self,
+                           **extra)
+            return self.output(plan)
+        finally:
+            self.requeue()
 
-    def __init__(self, num_blocks: int, block_size: int, held: dict | None = None):
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.held = dict(held or {})
-        if self.used > num_blocks:
-            raise ValueError("the requests hold more blocks than the cache has")
+    def _queued(self):
+        """The waiting side: swapped groups first (vLLM v0 resumed them before new requests), then
+        arrived waiting sequences in queue order, each with its prefix-cache hit."""
+        sched = self.sched
+        for group in list(sched.swapped):  # a few groups at most (swap space is small), changed by swap-ins
+            yield QueuedRequest.of(group, sum(s.num_uncomputed_tokens for s in group), waiting=True)
+        for seq in sched.waiting:  # unchanged during a step: admissions and requeues come after it
+            if not sched.arrived(seq):
+                return
+            computed = sched.prefix_hit(seq)
+            yield QueuedRequest.of((seq,), seq.num_uncomputed_tokens - sched.hit_tokens(computed), computed, True)
 
-    def _blocks(self, tokens: int) -> int:
-        return blocks_needed(tokens, self.block_size)
+    @staticmethod
+    def _check(req, what: str) -> None:
+        if not isinstance(req, QueuedRequest):
+            raise InvariantError(f"kv.{what} takes one of the requests the step was given (in running or waiting), "
+                                 f"got {type(req).__name__} {req!r}")
 
-    @property
-    def used(self) -> int:
-        return sum(self._blocks(t) for t in self.held.values())
+    def _swept(self, req: QueuedRequest) -> bool:
+        return any(s.seq_id in self.swept for s in req.seqs)
 
-    @property
-    def num_free(self) -> int:
-        return self.num_blocks - self.used
+    def allocate(self, req: QueuedRequest, n: int) -> bool:
+        self._check(req, "allocate")
+        if n < 1:
+            raise InvariantError(f"kv.allocate was asked for {n} tokens of request {req.request_id}; "
+                                 f"a scheduled request gets at least 1")
+        if self._swept(req):
+            ok = True  # nothing to allocate: it is on the CPU now, and output() leaves it out
+        elif req.waiting and req.seqs[0].status is SequenceStatus.SWAPPED:
+            ok = self._swap_in(req, n)
+        else:  # prefix-cache blocks count once, at the first allocation
+            ok = self.sched.allocate(req.seqs[0], n, () if req in self.allocated else req.computed)
+        if ok:
+            self.allocated[req] = self.allocated.get(req, 0) + n
+        return ok
 
-    def allocate(self, req, n: int) -> bool:
-        have = self.held.get(req.request_id, 0)
-        if self._blocks(have + n) - self._blocks(have) > self.num_free:
+    def _swap_in(self, req: QueuedRequest, n: int) -> bool:
+        group = list(req.seqs)
+        lone = len(group) == 1  # a lone sequence may resume mid-prompt with a chunk
+        if not lone and n != req.num_new_tokens:
             return False
-        self.held[req.request_id] = have + n
+        if not self.sched.swap_in(group, n if lone else max(s.num_uncomputed_tokens for s in group)):
+            return False
+        for s in group:
+            if not self.sched.allocate(s, n if lone else s.num_uncomputed_tokens):
+                raise InvariantError("a swapped-in sequence found no room for its next tokens")
         return True
 
-    def free(self, req) -> None:
-        self.held.pop(req.request_id, None)
+    def free(self, req: QueuedRequest) -> None:
+        self._check(req, "free")
+        if req.waiting:
+            raise InvariantError(f"kv.free was called on waiting request {req.request_id}: only running "
+                                 f"requests can be preempted")
+        seq = req.seqs[0]
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # preempted earlier in this step (with a sibling): nothing left to free
+        group = self.sched.preempt(seq, requeue=False)
+        self.victims.append(group)
+        self.preempted += group
+        self.swept.update(s.seq_id for s in group if s is not seq)
+
+    def output(self, plan) -> SchedulerOutput:
+        out = SchedulerOutput(preempted=list(self.preempted))
+        scheduled = set()
+        for req, n in plan.scheduled:
+            if not isinstance(req, QueuedRequest):
+                raise InvariantError(f"schedule_step scheduled {req!r}: a plan lists the request objects it was "
+                                     f"given, as (request, num_tokens), not their ids")
+            if self.allocated.get(req, 0) != n:
+                raise InvariantError(f"schedule_step scheduled {n} tokens of request {req.request_id!r} but "
+                                     f"kv.allocate succeeded for {self.allocated.get(req, 0)}: allocate exactly "
+                                     f"what you schedule")
+            scheduled.add(req)
+            if self._swept(req):
+                continue
+            for seq in req.seqs:
+                if req.waiting and seq.status is SequenceStatus.WAITING:
+                    self.sched.admit(seq)
+                out.scheduled.append(ScheduledSeq(seq, n if len(req.seqs) == 1 else seq.num_uncomputed_tokens))
+        leaked = [r.request_id for r in self.allocated if r.waiting and r not in scheduled]
+        if leaked:
+            raise InvariantError(f"schedule_step allocated KV for waiting request(s) {leaked} but did not "
+                                 f"schedule them")
+        return out
+
+    def requeue(self) -> None:
+        for group in self.victims:
+            self.sched.requeue(group)
+        self.victims = []
 
 
 # -- the scheduler: queues, actions and progress ----------------------------------------------------
 class Scheduler:
-    """Queues and progress of every sequence; policies act through ``allocate``/``admit``/``preempt``."""
+    """Queues and progress of every sequence; policies act through its actions (``allocate``,
+    ``admit``, ``preempt``; a ``schedule_step`` through ``StepKV``).
+
+    Invariants: a sequence is in at most one queue, and its status says which (RUNNING: ``running``,
+    in admission order; WAITING: ``waiting``; SWAPPED: ``swapped``, whole groups of siblings); only
+    running sequences hold GPU blocks; ``num_computed_tokens`` changes only here.
+    """
 
     def __init__(self, config, kv_manager, policy, clock=lambda: float("inf"), swapper=None):
         self.config = config
@@ -189,16 +231,38 @@ class Scheduler:
         return seq.times.arrival <= self.clock()
 
     def schedule(self) -> SchedulerOutput:
+        self._recompute_stuck_swapped()
         # read before the policy runs: a request arriving while it runs was not there to be scheduled
         head_arrived = bool(self.waiting) and self.arrived(self.waiting[0])
         out = self.policy.schedule(self)
         check_schedule(out, self)
-        if not out.scheduled and not self.running and (self.swapped or head_arrived):
+        if not (out.scheduled or out.preempted or self.running) and (self.swapped or head_arrived):
             head = self.swapped[0][0] if self.swapped else self.waiting[0]
             raise InvariantError(f"the scheduler made no progress: nothing runs, yet request {head.request_id} "
                                  f"({head.num_uncomputed_tokens} tokens to compute) could not be scheduled; the "
                                  f"engine would wait forever")
         return out
+
+    def run_step(self, step_fn) -> SchedulerOutput:
+        """Run a ``schedule_step``-shaped function on the real queues, acting as its ``kv`` (``StepKV``)."""
+        return StepKV(self).run(step_fn)
+
+    def _recompute_stuck_swapped(self) -> None:
+        """A swapped group that does not fit back even with nothing running (siblings that outgrew
+        the cache side by side) would wait forever: recompute its sequences one by one instead
+        (course-only; vLLM v0 failed such a request)."""
+        if self.running or not self.swapped:
+            return
+        group = self.swapped[0]
+        if self.kv.can_swap_in(group, max(s.num_uncomputed_tokens for s in group)):
+            return
+        self.swapped.popleft()
+        for s in group:
+            self.kv.free(s)  # drops its CPU copy
+            s.num_computed_tokens, s.status = 0, SequenceStatus.WAITING
+        self.waiting.extendleft(reversed(group))
+        logger.warning("Swapped-out request %s (%d sequences) cannot fit back together even in an empty cache: "
+                       "recomputing its sequences one by one", group[0].request_id, len(group))
 
     # -- actions for policies -----------------------------------------------------------------
     def prefix_hit(self, seq) -> list:
@@ -237,10 +301,11 @@ class Scheduler:
             seq.times.first_scheduled = self.clock()
         self.running.append(seq)
 
-    def preempt(self, seq: Sequence) -> list[Sequence]:
+    def preempt(self, seq: Sequence, requeue: bool = True) -> list[Sequence]:
         """Take ``seq`` off the running list. Recompute (vLLM v1): free its blocks, keep its tokens,
         re-queue it at the front. Swap (vLLM v0, ``preemption_mode="swap"``): move it and its running
-        siblings to CPU memory together, so blocks they share stay shared. Returns who was preempted."""
+        siblings to CPU memory together, so blocks they share stay shared. Returns who was preempted;
+        with ``requeue=False`` the caller puts them back with ``requeue`` later."""
         siblings = [s for s in self.running if s.request_id == seq.request_id]
         swap = self.config.preemption_mode == "swap" and self.kv.can_swap_out(siblings)
         group = siblings if swap else [seq]
@@ -252,26 +317,33 @@ class Scheduler:
             self.kv.swap_out(group, self.swapper.copy_to_cpu)
             for s in group:
                 s.status = SequenceStatus.SWAPPED
-            self.swapped.appendleft(group)
             how = f"swapped {len(group)} sequence(s) to CPU memory"
         else:
             self.kv.free(seq)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
             how = f"freed its blocks; {len(seq)} tokens will be recomputed"
+        if requeue:
+            self.requeue(group)
         logger.warning("Preempted sequence %d (request %s): %s. Total preemptions: %d",
                        seq.seq_id, seq.request_id, how, self.num_preemptions)
         return group
 
+    def requeue(self, group: list[Sequence]) -> None:
+        """A preempted group goes to the front of its queue: first to swap back in, or to recompute."""
+        if group[0].status is SequenceStatus.SWAPPED:
+            self.swapped.appendleft(group)
+        else:
+            self.waiting.extendleft(reversed(group))
+
     def swap_in(self, group: list[Sequence], num_new_tokens: int = 1) -> bool:
-        """Bring a swapped group back (all or nothing), with room for each one's next tokens."""
+        """Bring a swapped group back (all or nothing), with room for each one's next tokens; it runs again."""
         if not self.kv.can_swap_in(group, num_new_tokens):
             return False
         self.kv.swap_in(group, self.swapper.copy_to_gpu)
         self.swapped.remove(group)
         for s in group:
-            s.status = SequenceStatus.WAITING
+            self._start_running(s)
         return True
 
     # -- progress (after the forward) ------------------------------------------------------------
@@ -287,11 +359,17 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def update_from_output(self, seqs, tokens, logprobs, now: float, stop_check) -> list[Sequence]:
-        """Append each sampled token; finish (and free) the sequences ``stop_check`` says are done."""
-        done = []
+    def append_tokens(self, seqs, tokens, logprobs, now: float | None = None) -> None:
+        """Each sequence gets its next token (sampled, or chosen by beam search) and its log-probability."""
+        now = self.clock() if now is None else now
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.append_token(tok, lp, now)
+
+    def update_from_output(self, seqs, tokens, logprobs, now: float, stop_check) -> list[Sequence]:
+        """Append each sampled token; finish (and free) the sequences ``stop_check`` says are done."""
+        self.append_tokens(seqs, tokens, logprobs, now)
+        done = []
+        for seq in seqs:
             verdict = stop_check(seq)
             if verdict is not None:
                 self.finish(seq, *verdict, now=now)
@@ -341,185 +419,6 @@ def check_schedule(out: SchedulerOutput, sched: Scheduler) -> None:
     if sched.num_running_seqs() > cfg.max_num_seqs:
         raise InvariantError(f"{sched.num_running_seqs()} sequences are running (forks to come included), "
                              f"over max_num_seqs={cfg.max_num_seqs}")
-
-
-# -- policies -----------------------------------------------------------------------------------------
-class _Item:
-    """A sequence (or a swapped group of siblings) as ``schedule_step`` sees it."""
-
-    def __init__(self, seqs, num_new_tokens: int, computed=(), waiting: bool = False):
-        self.seqs, self.num_new_tokens, self.computed, self.waiting = seqs, num_new_tokens, computed, waiting
-        self.request_id = seqs[0].seq_id  # unique per sequence (n samples share a request id)
-        self.num_seqs = sum(1 + s.pending_forks for s in seqs)
-
-
-class _LazyWaiting:
-    """The waiting side of a step, built only as far as the policy reads it: swapped groups first
-    (vLLM v0 resumed them before new requests), then arrived requests in queue order, each with its
-    prefix-cache hit already subtracted from ``num_new_tokens``."""
-
-    def __init__(self, sched: Scheduler):
-        self.sched, self.items = sched, []
-        self._source = self._generate()
-
-    def _generate(self):
-        s = self.sched
-        for group in list(s.swapped):
-            yield _Item(group, sum(x.num_uncomputed_tokens for x in group), waiting=True)
-        for seq in list(s.waiting):
-            if not s.arrived(seq):
-                return
-            computed = s.prefix_hit(seq)
-            yield _Item([seq], seq.num_uncomputed_tokens - s.hit_tokens(computed), computed, waiting=True)
-
-    def _fill(self, upto: int | None) -> None:
-        while upto is None or len(self.items) <= upto:
-            nxt = next(self._source, None)
-            if nxt is None:
-                return
-            self.items.append(nxt)
-
-    def __iter__(self):
-        i = 0
-        while True:
-            self._fill(i)
-            if i >= len(self.items):
-                return
-            yield self.items[i]
-            i += 1
-
-    def __len__(self):
-        self._fill(None)
-        return len(self.items)
-
-    def __getitem__(self, i):
-        self._fill(None if i < 0 else i)
-        return self.items[i]
-
-
-class _KVView:
-    """``kv.allocate`` / ``kv.free`` for ``schedule_step``, acting on the scheduler's real state."""
-
-    def __init__(self, sched: Scheduler):
-        self.sched = sched
-        self.allocated: dict[object, int] = {}
-        self.preempted: list[Sequence] = []
-        self.gone: set = set()  # running items swapped out together with a sibling during this step
-
-    def allocate(self, item: _Item, n: int) -> bool:
-        s = self.sched
-        if n < 1:
-            raise InvariantError(f"kv.allocate was asked for {n} tokens of request {item.request_id}; "
-                                 f"a scheduled request gets at least 1")
-        if not item.waiting and item.seqs[0].status is not SequenceStatus.RUNNING:
-            # swapped out with a preempted sibling earlier in this step: nothing to run, nothing to free
-            self.gone.add(item.request_id)
-            return True
-        if len(item.seqs) > 1 or item.seqs[0].status is SequenceStatus.SWAPPED:  # a swapped group
-            # siblings resume together (each decodes one token); a lone sequence may resume mid-prompt
-            whole = len(item.seqs) > 1
-            ok = (n == item.num_new_tokens or not whole) and s.swap_in(item.seqs, 1 if whole else n)
-            if ok and not all(s.allocate(x, x.num_uncomputed_tokens if whole else n) for x in item.seqs):
-                raise InvariantError("a swapped-in sequence found no room for its next tokens")
-        else:
-            ok = s.allocate(item.seqs[0], n, item.computed if item.waiting else ())
-        if ok:
-            self.allocated[item.request_id] = self.allocated.get(item.request_id, 0) + n
-        return ok
-
-    def free(self, item: _Item) -> None:
-        if item.waiting:
-            raise InvariantError(f"kv.free was called on waiting request {item.request_id}: only running "
-                                 f"requests can be preempted")
-        if item.seqs[0].status is SequenceStatus.RUNNING:
-            self.preempted += self.sched.preempt(item.seqs[0])
-
-
-class PlanPolicy:
-    """Runs a ``schedule_step``-shaped function on the engine's queues (continuous batching)."""
-
-    def __init__(self, step_fn=schedule_step):
-        if not callable(step_fn):
-            raise TypeError(f"scheduling_policy must be a schedule_step-like function or an object with "
-                            f"schedule(scheduler); got {type(step_fn).__name__}")
-        self.step_fn = step_fn
-
-    def schedule(self, sched: Scheduler) -> SchedulerOutput:
-        cfg = sched.config
-        running = {s.seq_id: _Item([s], s.num_uncomputed_tokens) for s in sched.running}
-        waiting = _LazyWaiting(sched)
-        kv = _KVView(sched)
-        extra = {} if cfg.enable_chunked_prefill else {"chunked_prefill": False}
-        plan = self.step_fn(list(running.values()), waiting, cfg.max_num_batched_tokens, cfg.max_num_seqs, kv,
-                            **extra)
-        out = SchedulerOutput(preempted=kv.preempted)
-        items = {**{i.request_id: i for i in waiting.items}, **running}
-        for rid, n in plan.scheduled:
-            item = items.get(rid)
-            if item is None:
-                raise InvariantError(f"schedule_step scheduled unknown request id {rid!r}")
-            if rid in kv.gone:
-                continue
-            if kv.allocated.get(rid) != n:
-                raise InvariantError(f"schedule_step scheduled {n} tokens of request {rid!r} but kv.allocate "
-                                     f"succeeded for {kv.allocated.get(rid, 0)}: allocate exactly what you schedule")
-            if item.waiting:
-                for seq in item.seqs:
-                    if seq.status is SequenceStatus.WAITING and seq in sched.waiting:
-                        sched.admit(seq)
-                    else:
-                        sched._start_running(seq)
-            for seq in item.seqs:
-                num = n if len(item.seqs) == 1 else seq.num_uncomputed_tokens
-                out.scheduled.append(ScheduledSeq(seq, num, "decode" if seq.is_decoding else "prefill"))
-        scheduled = {r for r, _ in plan.scheduled}
-        leaked = [rid for rid in kv.allocated if rid not in scheduled and items[rid].waiting]
-        if leaked:
-            raise InvariantError(f"schedule_step allocated KV for waiting request(s) {leaked} but did not schedule them")
-        return out
-
-
-class StaticBatching:
-    """The batch is formed when nothing runs; its members prefill (as the budget allows), then
-    decode in lockstep; finished members leave idle slots until the last one is done."""
-
-    def __init__(self):
-        self.batch_size = 0
-
-    def _form_batch(self, sched: Scheduler) -> None:
-        """Admit up to ``max_num_seqs`` arrived requests, each only if the memory it could ever need
-        is guaranteed next to the others': a static batch never preempts."""
-        kv, cfg = sched.kv, sched.config
-        free = round((1.0 - kv.usage) * kv.capacity_tokens)
-        while sched.waiting and sched.num_running_seqs() < cfg.max_num_seqs:
-            seq = sched.waiting[0]
-            if not sched.arrived(seq):
-                break
-            need = blocks_needed(kv.max_tokens_needed(seq), kv.block_size) * kv.block_size * (1 + seq.pending_forks)
-            if need > free or not kv.allocate_slots(seq, 0):  # a contiguous manager reserves here
-                break
-            free -= need
-            sched.admit(seq)
-        self.batch_size = len(sched.running)
-
-    def schedule(self, sched: Scheduler) -> SchedulerOutput:
-        out = SchedulerOutput()
-        if not sched.running:
-            self._form_batch(sched)
-        budget = sched.config.max_num_batched_tokens
-        prefilling = [s for s in sched.running if not s.is_decoding]
-        for seq in prefilling or list(sched.running):
-            computed = sched.prefix_hit(seq)
-            num_new = seq.num_uncomputed_tokens - sched.hit_tokens(computed)
-            if out.scheduled and num_new > budget:
-                break  # this prompt prefills next step (the first one always fits: budget >= max_model_len)
-            kind = "decode" if seq.is_decoding else "prefill"
-            if not sched.allocate(seq, num_new, computed):
-                raise RuntimeError("static batching reserved memory for this batch, yet allocation failed")
-            out.scheduled.append(ScheduledSeq(seq, num_new, kind))
-            budget -= num_new
-        out.num_idle_slots = max(self.batch_size - len(out.scheduled), 0)
-        return out
 
 
 def make_policy(config):

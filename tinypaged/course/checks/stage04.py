@@ -1,27 +1,27 @@
 """Stage 4 checks: one continuous-batching step (token budget, chunked prefill, preemption, admission).
 
-The reference is ``tinypaged.scheduler.schedule_step``, the rules of ``Scheduler._schedule_continuous``
-without prefix caching, swapping or arrival times; requests are ``PlanRequest`` and the KV cache is a
-``BlockCounter``.
+The reference is ``tinypaged.policies.schedule_step``, the very function the engine runs (there it
+sees the scheduler's own requests and ``StepKV``; here ``PlanRequest`` objects and a ``BlockCounter``,
+without prefix caching, swapping or arrival times).
 """
 
 from __future__ import annotations
 
 import random
 
-from tinypaged import scheduler
+from tinypaged import policies
 from tinypaged.block_manager import blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
-from tinypaged.scheduler import BlockCounter, PlanRequest
+from tinypaged.policies import BlockCounter, PlanRequest
 
 
 def _R(rid, n):
     return PlanRequest(rid, n)
 
 
-@register("04", "pick_victim", reference=lambda: scheduler.pick_victim, points=1)
+@register("04", "pick_victim", reference=lambda: policies.pick_victim, points=1)
 def cases_pick_victim(hidden):
     """The lesson's victim rule (part of ``schedule_step`` in the assignment; kept for the tests)."""
 
@@ -46,12 +46,20 @@ def cases_pick_victim(hidden):
     return [Case("the last admitted", run, "vLLM v1 preempts the most recently admitted request")]
 
 
+def _name(req, given) -> str:
+    """A plan lists the request objects it was given; anything else is shown as what it is."""
+    if any(req is g for g in given):
+        return str(req.request_id)
+    return f"{req!r} (not one of the requests given: a plan lists the request objects, not their ids)"
+
+
 def _step(fn, running, waiting, budget, max_num_seqs, kv):
     """Run one step; what it scheduled, preempted, left untouched and left allocated."""
     before = ([r.request_id for r in running], [r.request_id for r in waiting])
+    given = list(running) + list(waiting)
     plan = fn(running, waiting, budget, max_num_seqs, kv)
-    sched = [[str(a), int(b)] for a, b in getattr(plan, "scheduled", [])]
-    pre = [str(x) for x in getattr(plan, "preempted", [])]
+    sched = [[_name(a, given), int(b)] for a, b in getattr(plan, "scheduled", [])]
+    pre = [_name(x, given) for x in getattr(plan, "preempted", [])]
     unchanged = ([r.request_id for r in running], [r.request_id for r in waiting]) == before
     return {"scheduled": sched, "preempted": pre, "inputs unchanged": unchanged,
             "tokens held": dict(sorted(kv.held.items()))}
@@ -87,8 +95,8 @@ def _random_cases(seed: int, n: int, label: str) -> Case:
     return Case(label, run, weight=3)
 
 
-@register("04", "schedule_step", reference=lambda: scheduler.schedule_step, points=5,
-          forbidden=lambda: [scheduler.schedule_step, scheduler.pick_victim])
+@register("04", "schedule_step", reference=lambda: policies.schedule_step, points=5,
+          forbidden=lambda: [policies.schedule_step, policies.pick_victim])
 def cases_schedule_step(hidden):
     def big(held=None):
         return lambda: BlockCounter(1000, 16, held)  # never runs out

@@ -1,0 +1,192 @@
+"""Stage 4: who runs in the next step. The scheduling policies, apart from the queues they act on.
+
+* continuous batching (vLLM v1's iteration-level scheduling): ``schedule_step``, a pure function of
+  the running and waiting requests, a token budget and a ``kv`` that allocates and frees. It is the
+  stage-4 exercise's answer, and the engine runs exactly this function (``PlanPolicy`` hands it the
+  scheduler's own requests and the scheduler's ``StepKV``; see ``Scheduler.run_step``). Every step
+  is a new batch. Running requests go first (a decode costs one token of the
+  ``max_num_batched_tokens`` budget, a prefill chunk its length); waiting requests are admitted in
+  arrival order with what is left. When the KV cache runs out, the most recently admitted running
+  request is preempted. A step that preempted admits nothing new.
+* ``StaticBatching`` (the pre-Orca baseline, course-only): form a batch, run it until every member
+  finishes, then form the next. A request joins only when the memory it could ever need is
+  guaranteed, so nothing is preempted.
+
+A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduling_policy=my_step)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tinypaged.block_manager import blocks_needed
+from tinypaged.sched_output import ScheduledSeq, SchedulerOutput
+
+
+# -- the continuous policy: one step, on plain objects ---------------------------------------------
+@dataclass(eq=False)  # compared by identity: two requests with equal fields are still two requests
+class PlanRequest:
+    """A request as the step sees it: its id, how many tokens it still has to compute (the rest of
+    its prompt while prefilling, 1 while decoding), and how many sequences it runs as (n > 1
+    samples forked after the prompt count n against ``max_num_seqs`` from the start)."""
+
+    request_id: object
+    num_new_tokens: int
+    num_seqs: int = 1
+
+
+@dataclass
+class StepPlan:
+    """What one step decided: ``scheduled`` holds ``(request, tokens this step)`` and ``preempted``
+    the requests preempted, both as the very objects the step was given (not their ids)."""
+
+    scheduled: list[tuple[PlanRequest, int]] = field(default_factory=list)
+    preempted: list[PlanRequest] = field(default_factory=list)
+
+
+def pick_victim(running: list):
+    """vLLM v1's preemption victim: the most recently admitted running request (``running`` is kept
+    in admission order). Under first-come-first-served, the latest arrival yields first, so earlier
+    requests keep their place (the paper's fairness rule, section 4.5)."""
+    return running[-1]
+
+
+def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv, chunked_prefill: bool = True) -> StepPlan:
+    """One continuous-batching step (vLLM v1's rules). The engine runs exactly this function.
+
+    ``running`` is in admission order, ``waiting`` in queue order; neither is modified.
+    ``kv.allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` and says whether it
+    could; ``kv.free(req)`` preempts ``req`` (releases everything it holds).
+
+    1. Running requests first, in order: each takes ``min(num_new_tokens, budget)`` tokens (without
+       chunked prefill, a request whose tokens do not all fit waits for a later step). When the KV
+       cache cannot hold them, preempt ``pick_victim`` of the running requests and retry; if the
+       victim is the request itself, move on.
+    2. Only if nothing was preempted: admit waiting requests in queue order while there is budget
+       and room under ``max_num_seqs``; stop at the first that does not fit.
+    """
+    plan = StepPlan()
+    running = list(running)
+    i = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.num_new_tokens, budget)
+        if n < req.num_new_tokens and not chunked_prefill:
+            i += 1
+            continue
+        while not kv.allocate(req, n):
+            victim = pick_victim(running)
+            running.remove(victim)
+            kv.free(victim)
+            plan.preempted.append(victim)
+            if victim is req:
+                break
+        else:
+            plan.scheduled.append((req, n))
+            budget -= n
+            i += 1
+    if plan.preempted:
+        return plan
+    num_seqs = sum(r.num_seqs for r in running)
+    for req in waiting:
+        if budget <= 0 or num_seqs + req.num_seqs > max_num_seqs:
+            break
+        n = min(req.num_new_tokens, budget)
+        if n < req.num_new_tokens and not chunked_prefill:
+            break
+        if not kv.allocate(req, n):
+            break
+        running.append(req)
+        num_seqs += req.num_seqs
+        plan.scheduled.append((req, n))
+        budget -= n
+    return plan
+
+
+class BlockCounter:
+    """The stage-4 exercise's ``kv``: a KV cache reduced to block counting, ``num_blocks`` blocks of
+    ``block_size`` tokens; ``held`` maps request id -> tokens it holds."""
+
+    def __init__(self, num_blocks: int, block_size: int, held: dict | None = None):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.held = dict(held or {})
+        if self.used > num_blocks:
+            raise ValueError("the requests hold more blocks than the cache has")
+
+    def _blocks(self, tokens: int) -> int:
+        return blocks_needed(tokens, self.block_size)
+
+    @property
+    def used(self) -> int:
+        return sum(self._blocks(t) for t in self.held.values())
+
+    @property
+    def num_free(self) -> int:
+        return self.num_blocks - self.used
+
+    def allocate(self, req, n: int) -> bool:
+        have = self.held.get(req.request_id, 0)
+        if self._blocks(have + n) - self._blocks(have) > self.num_free:
+            return False
+        self.held[req.request_id] = have + n
+        return True
+
+    def free(self, req) -> None:
+        self.held.pop(req.request_id, None)
+
+
+class PlanPolicy:
+    """Continuous batching with a ``schedule_step``-shaped function: each step the scheduler runs it
+    on its own queues, acting as its ``kv`` (``Scheduler.run_step``)."""
+
+    def __init__(self, step_fn=schedule_step):
+        if not callable(step_fn):
+            raise TypeError(f"scheduling_policy must be a schedule_step-like function or an object with "
+                            f"schedule(scheduler); got {type(step_fn).__name__}")
+        self.step_fn = step_fn
+
+    def schedule(self, sched) -> SchedulerOutput:
+        return sched.run_step(self.step_fn)
+
+
+# -- static batching ------------------------------------------------------------------------------------
+class StaticBatching:
+    """The batch is formed when nothing runs; its members prefill (as the budget allows), then
+    decode in lockstep; finished members leave idle slots until the last one is done."""
+
+    def __init__(self):
+        self.batch_size = 0
+
+    def _form_batch(self, sched) -> None:
+        """Admit up to ``max_num_seqs`` arrived requests, each only if the memory it could ever need
+        is guaranteed next to the others': a static batch never preempts."""
+        kv, cfg = sched.kv, sched.config
+        free = round((1.0 - kv.usage) * kv.capacity_tokens)
+        while sched.waiting and sched.num_running_seqs() < cfg.max_num_seqs:
+            seq = sched.waiting[0]
+            if not sched.arrived(seq):
+                break
+            need = blocks_needed(kv.max_tokens_needed(seq), kv.block_size) * kv.block_size * (1 + seq.pending_forks)
+            if need > free or not kv.allocate_slots(seq, 0):  # a contiguous manager reserves here
+                break
+            free -= need
+            sched.admit(seq)
+        self.batch_size = len(sched.running)
+
+    def schedule(self, sched) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not sched.running:
+            self._form_batch(sched)
+        budget = sched.config.max_num_batched_tokens
+        prefilling = [s for s in sched.running if not s.is_decoding]
+        for seq in prefilling or list(sched.running):
+            computed = sched.prefix_hit(seq)
+            num_new = seq.num_uncomputed_tokens - sched.hit_tokens(computed)
+            if out.scheduled and num_new > budget:
+                break  # this prompt prefills next step (the first one always fits: budget >= max_model_len)
+            if not sched.allocate(seq, num_new, computed):
+                raise RuntimeError("static batching reserved memory for this batch, yet allocation failed")
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        out.num_idle_slots = max(self.batch_size - len(out.scheduled), 0)
+        return out
