@@ -111,7 +111,7 @@ class StepTimer:
             result = step(*args, **kwargs)
             sync(self.device)
             total = time.perf_counter() - t0
-            if result.scheduled and all(s.kind == "decode" for s in result.scheduled):
+            if result.scheduled and all(not s.is_prefill for s in result.scheduled):
                 self.rows.append({"batch": len(result.scheduled), "step": total, "prepare": current["prepare"],
                                   "forward": current["forward"]})
             return result
@@ -146,7 +146,7 @@ def forward_device_ms(llm: LLM, prompts, params, steps: int) -> dict:
         engine.add_request(rid, {"prompt_token_ids": p}, params)
     while engine.has_unfinished_requests():  # past the prefills: every sequence decodes
         r = engine.step()
-        if r.scheduled and all(s.kind == "decode" for s in r.scheduled):
+        if r.scheduled and all(not s.is_prefill for s in r.scheduled):
             break
     runner.model = marked_forward
     try:

@@ -86,18 +86,18 @@ def test_paged_batches_more_than_every_contiguous_policy_under_load():
 def test_roofline_decode_is_bound_by_reading_the_weights_and_prefill_by_arithmetic():
     decode = BatchShape(num_seqs=1, num_decode_tokens=1, context_tokens=1, attention_pairs=1)
     assert math.isclose(OPT13B_A100(decode), (26e9 + 2 * 819200) / 1555e9)
-    prefill = BatchShape.of([(0, 2048, "prefill")])
+    prefill = BatchShape.of([(0, 2048, True)])
     flops = 2 * 13e9 * 2048 + 4 * 40 * 5120 * (2048 * 2049 // 2)
     assert math.isclose(OPT13B_A100(prefill), flops / 312e12)
     assert OPT13B_A100.kv_bytes_per_token == 800 * 1024
     # doubling a decode batch barely changes a memory-bound step: the GPU gets busier, not slower
-    b8 = BatchShape.of([(500, 1, "decode")] * 8)
-    b16 = BatchShape.of([(500, 1, "decode")] * 16)
+    b8 = BatchShape.of([(500, 1, False)] * 8)
+    b16 = BatchShape.of([(500, 1, False)] * 16)
     assert OPT13B_A100(b16) < 1.5 * OPT13B_A100(b8)
 
 
 def test_batch_shape_counts_attention_work():
-    s = BatchShape.of([(10, 1, "decode"), (0, 4, "prefill"), (4, 3, "prefill")])
+    s = BatchShape.of([(10, 1, False), (0, 4, True), (4, 3, True)])
     assert (s.num_seqs, s.num_decode_tokens, s.num_prefill_tokens, s.num_tokens) == (3, 1, 7, 8)
     assert s.context_tokens == 11 + 4 + 7
     assert s.attention_pairs == 11 + (1 + 2 + 3 + 4) + (5 + 6 + 7)
@@ -107,7 +107,7 @@ def test_linear_cost_model_fit_recovers_known_costs_and_stays_non_negative():
     true = LinearCostModel(0.004, 0.0002, 0.0007, 3e-6)
     steps, t = [], 0.0
     for i in range(40):
-        shape = BatchShape.of([(i * 3 % 50, 1 + (i % 5) * (i % 3), "prefill")] * (1 + i % 7))
+        shape = BatchShape.of([(i * 3 % 50, 1 + (i % 5) * (i % 3), True)] * (1 + i % 7))
         steps.append(StepRecord(t, t + true(shape), shape, shape.num_seqs))
         t += true(shape)
     fit = LinearCostModel.fit(steps)
@@ -126,12 +126,12 @@ def test_step_cost_model_learns_a_staircase_in_batch_size_and_falls_back_to_the_
     steps = []
     for i in range(400):
         n = 1 + i % 8  # batches of 1-8 only
-        shape = BatchShape.of([(10, 1, "decode")] * n)
+        shape = BatchShape.of([(10, 1, False)] * n)
         steps.append(StepRecord(0, line(shape) + jump(n), shape, n))
     fit = StepCostModel.fit(steps)
     lin = LinearCostModel.fit(steps)
     for n in range(1, 9):
-        shape = BatchShape.of([(10, 1, "decode")] * n)
+        shape = BatchShape.of([(10, 1, False)] * n)
         assert abs(fit(shape) - (line(shape) + jump(n))) < 1e-4, n  # within 0.1 ms (the ridge shrinks a little)
     # the straight line misses the staircase by far more at the small batches a light load runs
     small = BatchShape.of([(10, 1, "decode")] * 3)

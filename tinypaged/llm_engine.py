@@ -40,8 +40,9 @@ logger = logging.getLogger("tinypaged")
 def configure_logging() -> None:
     """Like vLLM: INFO lines on stderr (stdout stays for the user's own output). Done once, when the
     first engine is built, so importing tinypaged changes no logging set-up."""
-    if not logger.handlers:
+    if not any(getattr(h, "tinypaged", False) for h in logger.handlers):  # a caller's own handler is no reason to skip
         handler = logging.StreamHandler()
+        handler.tinypaged = True
         handler.setFormatter(logging.Formatter("%(levelname)s tinypaged: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

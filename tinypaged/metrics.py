@@ -15,7 +15,7 @@ COUNTERS = ("num_steps", "num_generated_tokens", "num_prefill_tokens", "num_requ
 
 
 def prefill_tokens(scheduled) -> int:
-    return sum(s.num_tokens for s in scheduled if s.kind == "prefill")
+    return sum(s.num_tokens for s in scheduled if s.is_prefill)
 
 
 def kv_waste_tokens(kv, running) -> int:

@@ -88,7 +88,7 @@ class StepResult:
 
     def trace(self) -> str:
         """One line per step, stable across machines (ids and counts only)."""
-        parts = [f"{s.seq.request_id}:{s.kind[0]}{s.num_tokens}" for s in self.scheduled]
+        parts = [f"{s.seq.request_id}:{'p' if s.is_prefill else 'd'}{s.num_tokens}" for s in self.scheduled]
         line = f"step {self.step:3d} | " + " ".join(parts)
         if self.preempted:
             line += " | preempted " + ",".join(s.request_id for s in self.preempted)

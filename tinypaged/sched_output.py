@@ -30,12 +30,6 @@ class ScheduledSeq:
     def __post_init__(self):
         self.is_prefill = not self.seq.is_decoding
 
-    @property
-    def kind(self) -> str:
-        """Deprecated string form of ``is_prefill`` ("prefill" / "decode"), kept only until
-        llm_engine.py and tinypaged/lab read ``is_prefill``; do not use in new code."""
-        return "prefill" if self.is_prefill else "decode"
-
 
 @dataclass
 class SchedulerOutput:

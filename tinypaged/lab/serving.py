@@ -161,11 +161,11 @@ class BatchShape:
 
     @classmethod
     def of(cls, items) -> "BatchShape":
-        """``items``: (tokens computed before this step, tokens this step, kind) per scheduled sequence."""
+        """``items``: (tokens computed before this step, tokens this step, is_prefill) per scheduled sequence."""
         b = cls()
-        for start, n, kind in items:
+        for start, n, is_prefill in items:
             b.num_seqs += 1
-            if kind == "decode":
+            if not is_prefill:
                 b.num_decode_tokens += n
             else:
                 b.num_prefill_tokens += n
@@ -293,7 +293,7 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
         t1 = engine.clock()
         preemptions += len(st.preempted)
         if st.scheduled:
-            shape = BatchShape.of((s.seq.num_computed_tokens - s.num_tokens, s.num_tokens, s.kind)
+            shape = BatchShape.of((s.seq.num_computed_tokens - s.num_tokens, s.num_tokens, s.is_prefill)
                                   for s in st.scheduled)
             slots = shape.num_seqs + engine.counters["num_idle_slot_steps"] - idle
             steps.append(StepRecord(t0 - base, t1 - base, shape, slots))

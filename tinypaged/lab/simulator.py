@@ -40,7 +40,7 @@ class ModelFreeEngine:
     Built like ``LLMEngine`` builds them: a KV manager from a ``KVCacheSpec`` (the configured
     ``kv_cache_manager`` plug-in, or the built-in paged / contiguous one), the configured scheduling
     policy, and the ``Scheduler`` that owns progress. ``schedule(now)`` returns the scheduler's batch
-    as ``(seq, start, num_tokens, kind)`` tuples; ``complete(now)`` does what the engine does after a
+    as ``(seq, start, num_tokens, is_prefill)`` tuples; ``complete(now)`` does what the engine does after a
     forward (``Scheduler.advance``, then ``update_from_output`` with a dummy token for every sequence
     whose prompt is done) and returns the sequences that finished.
     """
@@ -95,7 +95,7 @@ class ModelFreeEngine:
         """(batch, batch slots: the scheduled sequences plus a static batch's idle members)."""
         self.now = now
         self._out = out = self.scheduler.schedule()
-        batch = [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.kind) for s in out.scheduled]
+        batch = [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.is_prefill) for s in out.scheduled]
         return batch, len(batch) + out.num_idle_slots
 
     def complete(self, now: float) -> list:
@@ -287,7 +287,7 @@ def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: 
                     raise RuntimeError("the scheduler made no progress with every request arrived")
                 now = arrivals[i_next].arrival_time  # idle until the next request arrives
                 continue
-            shape = BatchShape.of((start, n, kind) for _, start, n, kind in batch)
+            shape = BatchShape.of((start, n, is_prefill) for _, start, n, is_prefill in batch)
             end = now + cost_model(shape)
             for seq in eng.complete(end):
                 r = seqs[seq.seq_id]
@@ -445,7 +445,7 @@ def knee_rates(cost_model, trace: list[TraceRequest], slow: str = "orca-max", fa
 
     mean_out = sum(r.output_len for r in trace) / len(trace)
     n = common.get("max_num_seqs", 256)
-    full = BatchShape.of([(32, 1, "decode")] * n)
+    full = BatchShape.of([(32, 1, False)] * n)
     top = n / cost_model(full) / mean_out  # if every step were full: an upper bound on the rate
     grid = [top * 2 ** (-k / 2) for k in range(12, -1, -1)]
     if duration is not None:  # rates the trace is too short for cannot be simulated for that long
