@@ -161,6 +161,9 @@ def lab(browser_env, tmp_path_factory, out_dir):
     # One torch thread per kernel unless told otherwise: on a busy 2-core machine two threads that wait for
     # each other run the SmolLM2 cells several times slower. (What is checked here does not depend on it.)
     env.setdefault("OMP_NUM_THREADS", "1")
+    # A learner without the vLLM environment: notebook 06's vLLM cells print how to get it (nbval runs them
+    # for real; here they would only restart ten vLLM engines to check what nbval already checks).
+    env.setdefault("TINYPAGED_VLLM_PYTHON", str(work / "no-vllm-here"))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True"]
     if os.geteuid() == 0:
