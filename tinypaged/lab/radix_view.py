@@ -47,7 +47,8 @@ def _tree_view(tree) -> list[NodeView]:
 
 
 def _block_view(bm: BlockManager) -> list[str]:
-    return ["used" if b.ref_cnt else ("cached" if b.block_hash is not None else "free") for b in bm.pool.blocks]
+    pool = bm.pool
+    return ["used" if pool.ref_count(b) else ("cached" if b in pool.hash_of else "free") for b in range(pool.num_blocks)]
 
 
 def replay(events, capacity_tokens: int = 64, block_size: int = 4) -> list[Snapshot]:
