@@ -54,7 +54,7 @@ def _allocator(num_blocks: int, held: int = 0) -> BlockAllocator:
 # ---------------------------------------------------------------- fork
 
 @register("03", "fork", reference=lambda: fork, points=1, name="fork_table",
-          forbidden=lambda: [block_manager.fork_table, BlockPool, BlockManager])
+          forbidden=lambda: [fork, block_manager.fork_table, BlockPool, BlockManager])
 def cases_fork(hidden):
     def basic(f, t):
         refs = {3: 1, 7: 1, 1: 2}
@@ -103,7 +103,7 @@ def _cow_workout(seed: int, steps: int, bs: int):
 
 
 @register("03", "append_slot", reference=lambda: append_slot, points=3,
-          forbidden=lambda: [block_manager.append_slot, BlockPool, BlockManager])
+          forbidden=lambda: [append_slot, block_manager.append_slot, BlockPool, BlockManager])
 def cases_append_slot(hidden):
     def private(fn, t):
         alloc, refs, table = _allocator(8), {}, []
@@ -140,7 +140,7 @@ def cases_append_slot(hidden):
 # ---------------------------------------------------------------- free_table
 
 @register("03", "free_table", reference=lambda: free_table, points=1,
-          forbidden=lambda: [block_manager.free_table, BlockPool, BlockManager])
+          forbidden=lambda: [free_table, block_manager.free_table, BlockPool, BlockManager])
 def cases_free_table(hidden):
     def basic(fn, t):
         alloc = _allocator(7, held=7)
@@ -242,7 +242,7 @@ def _cache_workout(seed: int, steps: int, num_blocks: int):
 
 
 @register("03", "PrefixCache", reference=lambda: prefix_cache, points=4, name="prefix_cache",
-          forbidden=lambda: [BlockPool, BlockAllocator, BlockManager])
+          forbidden=lambda: [prefix_cache, BlockPool, BlockAllocator, BlockManager])
 def cases_prefix_cache(hidden):
     h = [hash_block_tokens(None, [k]) for k in range(6)]
 
@@ -316,7 +316,7 @@ class _Index:
 
 
 @register("03", "longest_cached_prefix", reference=lambda: longest_cached_prefix, points=2,
-          forbidden=lambda: [block_manager.longest_cached_prefix, BlockPool, BlockManager])
+          forbidden=lambda: [longest_cached_prefix, block_manager.longest_cached_prefix, BlockPool, BlockManager])
 def cases_longest_cached_prefix(hidden):
     bs = 4
     cached = list(range(100, 112))  # a 12-token prompt computed into blocks 20, 21, 22
