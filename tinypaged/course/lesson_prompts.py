@@ -206,6 +206,8 @@ NOT_TOKEN_DEPENDENT = [
     ("notebooks/06_serving_and_knobs.ipynb", r"def run_batch\(llm, prompts, outs", "timed ignore_eos batches: prints counts and verdicts"),
     ("notebooks/06_serving_and_knobs.ipynb", r"def chat\(caching\)", "ignore_eos replies of fixed length: prefill and hit counts depend on lengths only"),
     ("notebooks/06_serving_and_knobs.ipynb", r"budget_runs = \{\}", "ignore_eos requests: prints step counts and timing verdicts"),
+    ("notebooks/08_serve_over_http.ipynb", r"server text == offline text",
+     "prints only whether the server's greedy text equals the offline engine's, both run on the same device"),
 ]
 
 
