@@ -182,12 +182,14 @@ class _Capture(logging.Handler):
 
 def test_capacity_log_line():
     logger = logging.getLogger("tinypaged")
-    cap = _Capture()
+    cap, level = _Capture(), logger.level
     logger.addHandler(cap)
+    logger.setLevel(logging.INFO)  # the engine configures logging only when it finds no handler: do not depend on order
     try:
         tiny(kv_cache="paged", block_size=16, num_gpu_blocks_override=32)
     finally:
         logger.removeHandler(cap)
+        logger.setLevel(level)
     lines = [l for l in cap.lines if "KV cache (paged)" in l]
     assert len(lines) == 1, cap.lines
     # tiny: 2 layers x 2 KV heads x head_dim 16 x 2 (K and V) x 8 bytes (float64) = 1024 bytes per token

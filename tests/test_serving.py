@@ -174,49 +174,6 @@ def test_vllm_replay_drives_the_engine_api_and_times_requests():
     assert first["vllm-None-1"].first_token >= 0.05
 
 
-def test_bench_serving_says_why_it_skips_vllm():
-    if vllm_available():
-        pytest.skip("vLLM is installed here: the real run is for a GPU machine")
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--engine", "vllm",
-                          "--model", "facebook/opt-125m"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "vLLM is not installed here" in out.stdout and "skipped" in out.stdout
-
-
-def test_bench_serving_vllm_path_runs_the_experiment_on_vllms_engine_api(monkeypatch, capsys):
-    """The --engine vllm path end to end, with a stand-in ``vllm`` module (the real one needs a GPU)."""
-    import importlib.util
-    import types
-
-    made = {}
-
-    class EngineArgs:
-        def __init__(self, **kw):
-            made["args"] = kw
-
-    class LLMEngine:
-        @staticmethod
-        def from_engine_args(args):
-            made["engine"] = FakeVLLMEngine()
-            return made["engine"]
-
-    fake = types.ModuleType("vllm")
-    fake.EngineArgs, fake.LLMEngine, fake.SamplingParams = EngineArgs, LLMEngine, lambda **kw: SimpleNamespace(**kw)
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert bench.main(["--engine", "vllm", "--model", "m", "--datasets", "alpaca", "--rates", "400", "800",
-                       "--requests", "6", "--seconds", "0.01"]) == 0
-    out = capsys.readouterr().out
-    assert "vLLM (real)" in out and "400" in out and "800" in out
-    # the paper's knobs, scaled as in Part 1: KV 15.7K x 1/2 tokens in blocks of 16, no prefix caching
-    assert made["args"]["num_gpu_blocks_override"] == int(15728 * 0.5) // 16 and made["args"]["block_size"] == 16
-    assert made["args"]["enable_prefix_caching"] is False and made["args"]["max_model_len"] == 1024
-    assert len(made["engine"].added) == 6 + 8  # at least 6 per rate; 800 req/s x 0.01 s = 8
-
-
 def test_serving_run_summary_weights_steps_equally():
     steps = [StepRecord(0, 1, BatchShape(num_seqs=2), 4), StepRecord(1, 3, BatchShape(num_seqs=4), 4)]
     reqs = [RequestRecord("a", 1, 2, 0.0, 3.0, 3.0)]

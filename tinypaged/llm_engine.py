@@ -40,9 +40,8 @@ logger = logging.getLogger("tinypaged")
 def configure_logging() -> None:
     """Like vLLM: INFO lines on stderr (stdout stays for the user's own output). Done once, when the
     first engine is built, so importing tinypaged changes no logging set-up."""
-    if not any(getattr(h, "tinypaged", False) for h in logger.handlers):  # a caller's own handler is no reason to skip
+    if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.tinypaged = True
         handler.setFormatter(logging.Formatter("%(levelname)s tinypaged: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
