@@ -267,6 +267,14 @@ def test_verdicts_are_written_in_nbgraders_language():
     assert out[0]["text"] == "your engine: ...\n"  # kept as feedback
     assert [o["output_type"] for o in out[1:]] == ["stream", "execute_result"]  # the verdict, not the kernel's claim
     assert 0 < float(out[-1]["data"]["text/plain"]) < 2
+    full = graded("def first_fit(h, s): ...", evidence())
+    logged = copy.deepcopy(SOURCE_FF)  # the engine's INFO line goes to stderr, which nbgrader scores as a failure
+    logged["cells"][2]["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "INFO tinypaged: ...\n"}]
+    cell = apply_to_notebook(logged, full, SOURCE_FF)["cells"][2]
+    assert cell["outputs"][0]["text"] == "INFO tinypaged: ...\n"  # still shown
+    from nbformat import from_dict
+    from nbgrader.utils import determine_grade
+    assert determine_grade(from_dict(cell))[0] == full["tests"][0]["points"]
     rep = graded("def first_fit(h, s): ...", evidence(calls=()))
     lost = copy.deepcopy(SOURCE_FF)
     del lost["cells"][2]  # the submission lost its test cell: it comes back, scored

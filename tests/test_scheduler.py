@@ -152,13 +152,16 @@ def test_preemption_victim_is_the_last_admitted_and_nothing_is_admitted(preempti
 
 def test_preemptions_are_counted_and_logged(caplog):
     logger = logging.getLogger("tinypaged")
+    level = logger.level
     logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)  # another test may have left the level raised (quiet()): do not depend on order
     try:
         llm = tiny(max_num_seqs=8, max_num_batched_tokens=16, num_gpu_blocks_override=12)
         steps = []
         outs = llm.generate(PROMPTS, PARAMS, on_step=steps.append)
     finally:
         logger.removeHandler(caplog.handler)
+        logger.setLevel(level)
     n = sum(len(st.preempted) for st in steps)
     assert n > 0
     assert llm.get_metrics()["num_preemptions"] == n

@@ -247,9 +247,11 @@ def apply_to_notebook(nb: dict, report: dict, source_nb: dict) -> dict:
         gid = nbk.grade_id(cell)
         if gid in rows and cell.get("cell_type") == "code" and gid not in seen:
             seen.add(gid)
-            # what the kernel printed stays as feedback (a serving cell's payoff); nbgrader scores only errors
-            # and results, which come from the verdict alone
-            printed = [o for o in cell.get("outputs", []) if isinstance(o, dict) and o.get("output_type") == "stream"]
+            # what the kernel printed stays as feedback (a serving cell's payoff), all of it as stdout: nbgrader
+            # gives no points to a cell with any stderr (the engine's INFO log line), and the score must come
+            # from the verdict alone
+            printed = [dict(o, name="stdout") for o in cell.get("outputs", [])
+                       if isinstance(o, dict) and o.get("output_type") == "stream"]
             cell["outputs"] = printed + _outputs(rows[gid], cell.get("execution_count"))
     for ref in source_nb["cells"]:
         gid = nbk.grade_id(ref)
