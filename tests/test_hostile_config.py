@@ -45,6 +45,7 @@ def no_model_load(monkeypatch):
     (dict(enable_prefix_caching="False"), TypeError, r"enable_prefix_caching must be True or False, got 'False'"),
     (dict(enable_chunked_prefill="False"), TypeError, r"enable_chunked_prefill must be True or False.*'False'"),
     (dict(check_invariants=1), TypeError, r"check_invariants must be True or False.*got 1"),
+    (dict(fast_path="yes"), TypeError, r"fast_path must be True or False, got 'yes'"),
     (dict(max_num_seqs=2.5), TypeError, r"max_num_seqs must be an integer >= 1, got 2.5"),
     (dict(max_num_seqs=True), TypeError, r"max_num_seqs must be an integer"),
     (dict(max_model_len=2.5), TypeError, r"max_model_len must be an integer >= 1.*got 2.5"),

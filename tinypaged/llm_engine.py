@@ -20,6 +20,7 @@ import torch
 from tinypaged.attention import make_backend
 from tinypaged.config import EngineConfig
 from tinypaged.detokenizer import Detokenizer
+from tinypaged.fast_path import fuse_projections
 from tinypaged.input_processor import InputProcessor, Request, sample_generator
 from tinypaged.interfaces import POLICY_REQUIRED, require
 from tinypaged.kv_managers import build_kv_manager
@@ -56,6 +57,8 @@ class LLMEngine:
         self.dtype = config.torch_dtype
         mem_at_start = memory_snapshot(self.device)  # before the weights: sizing counts what we add
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
+        if config.fast_path:
+            fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size

@@ -80,14 +80,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=getattr(hf_config, "attention_bias", False))
         self.scale = self.head_dim**-0.5
+        self.qkv_proj = None  # fast path: a FusedLinear over [q; k; v] (tinypaged.fast_path)
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
-        n = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is None:  # reference: three projections, RoPE on q and on k
+            q = apply_rope(self.q_proj(x).view(n, h, d), cos, sin)
+            k = apply_rope(self.k_proj(x).view(n, kvh, d), cos, sin)
+            v = self.v_proj(x).view(n, kvh, d)
+        else:  # one GEMM, then RoPE once on the q and k heads together
+            qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
+            qk = apply_rope(qkv[:, : h + kvh], cos, sin)
+            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # writes k, v into the cache, then attends
-        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(n, h * d))
 
 
 class MLP(nn.Module):
@@ -97,9 +103,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up_proj = None  # fast path: a FusedLinear over [gate; up] (tinypaged.fast_path)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,64 @@
+"""The fast path (fused projections) computes what the reference path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tinypaged import LLM, SamplingParams
+
+PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 3 for j in range(9 + 6 * i)]} for i in range(6)]
+
+
+def run(fast_path: bool, dtype="float64", **kw):
+    """Greedy tokens and every step's logits; a small step budget makes prompts arrive in chunks
+    (prefills starting past position 0) beside decodes of the others."""
+    llm = LLM("tiny", dtype=dtype, device="cpu", fast_path=fast_path, max_num_seqs=4, max_num_batched_tokens=16,
+              block_size=4, kv_cache_tokens=1024, max_model_len=64, **kw)
+    runner, logits = llm.llm_engine.runner, []
+    execute = runner.execute
+    runner.execute = lambda scheduled: (lambda out: logits.append(out[0]) or out)(execute(scheduled))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs], [x for x in logits if x is not None], llm
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(kv_cache="contiguous"), dict(enable_prefix_caching=True)],
+                         ids=["paged", "contiguous", "prefix-caching"])
+def test_fast_path_equals_reference_in_float64(kw):
+    ref_tokens, ref_logits, _ = run(False, **kw)
+    fast_tokens, fast_logits, _ = run(True, **kw)
+    assert fast_tokens == ref_tokens
+    assert len(fast_logits) == len(ref_logits) > 10
+    for a, b in zip(ref_logits, fast_logits):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+
+
+def test_fast_path_float32_stays_close():
+    ref_tokens, ref_logits, _ = run(False, dtype="float32")
+    fast_tokens, fast_logits, _ = run(True, dtype="float32")
+    assert fast_tokens == ref_tokens
+    for a, b in zip(ref_logits, fast_logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_the_flag_picks_the_path():
+    ref = LLM("tiny", device="cpu", fast_path=False, kv_cache_tokens=256).llm_engine
+    fast = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine  # the default
+    for engine, fused in ((ref, False), (fast, True)):
+        layer = engine.model.model.layers[0]
+        assert (layer.self_attn.qkv_proj is not None) == fused and (layer.mlp.gate_up_proj is not None) == fused
+    # Hugging Face's names, and nothing more, in either state_dict
+    assert list(ref.model.state_dict()) == list(fast.model.state_dict())
+
+
+def test_fused_weights_are_the_layers_weights():
+    """Loading a state_dict into the fused model (or editing q_proj) changes what the fused GEMM computes."""
+    engine = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine
+    attn = engine.model.model.layers[1].self_attn
+    state = {k: torch.randn_like(v) for k, v in engine.model.state_dict().items()}
+    engine.model.load_state_dict(state)
+    x = torch.randn(3, attn.q_proj.in_features)
+    with torch.inference_mode():
+        expected = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+        torch.testing.assert_close(attn.qkv_proj(x), expected)
+        torch.testing.assert_close(attn.q_proj.weight, state["model.layers.1.self_attn.q_proj.weight"])

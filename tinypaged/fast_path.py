@@ -1,0 +1,51 @@
+"""The engine's fast path (course-only knob ``fast_path``, on by default): the same maths, fewer kernels.
+
+Against the readable reference of lessons 1-3, what vLLM does in its own way:
+
+* **fused projections**: q, k and v read the same input, and so do gate and up; stacking their weights
+  makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``). On a
+  CPU a decode step is a handful of rows against every weight, so fewer, wider GEMMs cost less.
+
+``fast_path=False`` runs the reference path; tests/test_fast_path.py checks both give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class FusedLinear:
+    """Several ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
+
+    Invariant: each layer's weight (and bias) becomes a view into the stacked tensor, so loading a
+    ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the fused GEMM
+    uses. It is not an ``nn.Module``: the model's ``state_dict`` keeps Hugging Face's names. Fuse after
+    the model has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
+    """
+
+    def __init__(self, layers: list[nn.Linear]):
+        self.weight = torch.cat([layer.weight.detach() for layer in layers])
+        has_bias = layers[0].bias is not None
+        self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
+        self.sizes = [layer.out_features for layer in layers]
+        start = 0
+        for layer, size in zip(layers, self.sizes):
+            layer.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
+            if has_bias:
+                layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
+            start += size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def fuse_projections(model) -> None:
+    """Give every layer its fused [q; k; v] and [gate; up] projections (idempotent)."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None:
+            attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
+        if mlp.gate_up_proj is None:
+            mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
