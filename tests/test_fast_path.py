@@ -1,4 +1,4 @@
-"""The fast path (fused projections) computes what the reference path computes."""
+"""The fast path (fused projections, torch's fused attention) computes what the reference path computes."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
+from tinypaged.attention import TorchBackend
+from tinypaged.fast_path import SDPABackend
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 3 for j in range(9 + 6 * i)]} for i in range(6)]
 
@@ -44,6 +46,7 @@ def test_fast_path_float32_stays_close():
 def test_the_flag_picks_the_path():
     ref = LLM("tiny", device="cpu", fast_path=False, kv_cache_tokens=256).llm_engine
     fast = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine  # the default
+    assert type(ref.runner.backend) is TorchBackend and isinstance(fast.runner.backend, SDPABackend)
     for engine, fused in ((ref, False), (fast, True)):
         layer = engine.model.model.layers[0]
         assert (layer.self_attn.qkv_proj is not None) == fused and (layer.mlp.gate_up_proj is not None) == fused

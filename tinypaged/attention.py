@@ -144,10 +144,15 @@ class TritonBackend(DecodeFunctionBackend):
         reshape_and_cache(key, value, _blocked(key_cache, bs), _blocked(value_cache, bs), slot_mapping)
 
 
-def make_backend(choice, block_size: int):
-    """"torch", "triton", a decode function, or a backend object (checked against the protocol)."""
+def make_backend(choice, block_size: int, fast_path: bool = False):
+    """"torch", "triton", a decode function, or a backend object (checked against the protocol).
+    ``fast_path`` runs "torch" through torch's fused attention (``tinypaged.fast_path.SDPABackend``)."""
     from tinypaged.interfaces import BACKEND_REQUIRED, require
 
+    if choice == "torch" and fast_path:
+        from tinypaged.fast_path import SDPABackend
+
+        return SDPABackend()
     if choice == "torch":
         return TorchBackend()
     if choice == "triton":
@@ -182,7 +187,11 @@ class ForwardContext:
         if self.decode is not None:
             rows = self.decode.rows
             out[rows] = self.backend.decode(q[rows], K, V, self.decode, scale)
+        prefill = getattr(self.backend, "prefill", None)  # a backend may bring its own (the fast path's)
         for start, end, slots, first_pos in self.prefills:
+            if prefill is not None:
+                out[start:end] = prefill(q[start:end], K[slots], V[slots], first_pos, scale)
+                continue
             n = end - start
             positions = torch.arange(first_pos, first_pos + n, device=q.device)[None]
             lens = torch.tensor([slots.shape[0]], device=q.device)

@@ -109,7 +109,8 @@ class AttentionBackend(Protocol):
       ``context_slots`` ``[B, max_len]``, ``context_lens`` ``[B]``, ``block_size`` and ``scale``.
     * ``uses_block_tables``: True if ``decode`` reads ``ctx.block_tables`` (paged caches only).
 
-    Prefill chunks always use the reference attention (``attention.attend_gathered``).
+    Prefill chunks use the reference attention (``attention.attend_gathered``), unless the backend has
+    an optional ``prefill(query, keys, values, first_pos, scale)`` (the fast path's ``SDPABackend``).
     """
 
     name: str

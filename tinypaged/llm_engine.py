@@ -65,7 +65,7 @@ class LLMEngine:
         self._tokenizer = None
         self.generator = torch.Generator().manual_seed(config.seed)
         checking = config.has_plugins if config.check_invariants is None else config.check_invariants
-        backend = make_backend(config.attention_backend, config.block_size)
+        backend = make_backend(config.attention_backend, config.block_size, config.fast_path)
         self.runner = ModelRunner(self.model, self.device, backend, checking)
         self.bytes_per_token = self.runner.bytes_per_token
         # the runner sizes and allocates the cache; the KV manager (built-in or a plug-in) manages it
