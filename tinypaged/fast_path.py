@@ -22,39 +22,64 @@ from torch import nn
 from tinypaged.attention import TorchBackend
 
 
-class FusedLinear:
-    """Several ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
+def can_prepack(weight: torch.Tensor) -> bool:
+    """Whether torch can hand this weight to oneDNN's prepacked small-batch GEMM (CPU, fp32/bf16)."""
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
-    Invariant: each layer's weight (and bias) becomes a view into the stacked tensor, so loading a
-    ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the fused GEMM
-    uses. It is not an ``nn.Module``: the model's ``state_dict`` keeps Hugging Face's names. Fuse after
-    the model has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
+
+class FusedLinear:
+    """One or more ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
+
+    Invariants: each layer's weight (and bias) is a view into the stacked tensor (one layer: the weight
+    itself, so a tied ``lm_head`` stays tied), so loading a ``state_dict`` into the layers, or reading
+    ``q_proj.weight``, sees the very numbers the GEMM uses. Where torch has oneDNN, the GEMM runs on a
+    copy of the weight in oneDNN's blocked layout (vLLM's CPU path prepacks its weights too); it is
+    packed again whenever the weight changed (``_version``: views share their base's counter). Not an
+    ``nn.Module``, so the model's ``state_dict`` keeps Hugging Face's names. Fuse after the model has
+    its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
     """
 
     def __init__(self, layers: list[nn.Linear]):
-        self.weight = torch.cat([layer.weight.detach() for layer in layers])
         has_bias = layers[0].bias is not None
-        self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
-        self.sizes = [layer.out_features for layer in layers]
-        start = 0
-        for layer, size in zip(layers, self.sizes):
-            layer.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
-            if has_bias:
-                layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
-            start += size
+        if len(layers) == 1:
+            self.weight = layers[0].weight.detach()
+            self.bias = layers[0].bias.detach() if has_bias else None
+        else:
+            self.weight = torch.cat([layer.weight.detach() for layer in layers])
+            self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
+            start = 0
+            for layer in layers:
+                size = layer.out_features
+                layer.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
+                if has_bias:
+                    layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
+                start += size
+        self.packed, self.packed_version = None, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if not can_prepack(self.weight):
+            return F.linear(x, self.weight, self.bias)
+        if self.packed_version != self.weight._version:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+            self.packed_version = self.weight._version
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def fuse_projections(model) -> None:
-    """Give every layer its fused [q; k; v] and [gate; up] projections (idempotent)."""
+    """Give every layer its fused [q; k; v] and [gate; up] projections; o_proj, down_proj and lm_head
+    keep their modules, whose ``forward`` becomes a (one-layer, prepacked) ``FusedLinear``. Idempotent."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:
             attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         if mlp.gate_up_proj is None:
             mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
+        for single in (attn.o_proj, mlp.down_proj):
+            if not isinstance(single.forward, FusedLinear):
+                single.forward = FusedLinear([single])
+    if not isinstance(model.lm_head.forward, FusedLinear):
+        model.lm_head.forward = FusedLinear([model.lm_head])
 
 
 class SDPABackend(TorchBackend):
