@@ -6,82 +6,23 @@
 The workload is bench_throughput.py's part 1 (ShareGPT-like requests, lengths x 1/8, forced output
 lengths, all arriving at t=0, max_num_seqs 16), so most steps decode a full batch of 16.
 
-Method: explicit wall-clock timers (``time.perf_counter``), no profiler. On a CPU every torch call
-returns when its work is done, so a timer around a call measures that call. The timers wrap
-
-* ``torch.nn.functional.linear`` and ``FusedLinear`` (every projection, fused, prepacked or neither, and
-  the vocabulary projection);
-* ``ForwardContext.attend`` (the KV cache write plus decode and prefill attention, per layer);
-* the model's ``forward``; what of it is neither linear nor attention is embeddings, RMSNorm, RoPE,
-  SiLU, residual adds and the Python between them ("norms/RoPE/act");
-* ``sample`` (the engine's sampler) and ``LLMEngine.step``; what of a step is neither the forward nor
-  sampling is "host": scheduling, building the step's input tensors, output processing.
-
-A wrapper costs about a microsecond per call (a few hundred calls per step, against steps of tens of ms).
-vLLM runs in its own process: its per-step time is observable (wall / steps), its split is not.
+Method: explicit wall-clock timers around module calls (``tinypaged.lab.step_profile``, whose docstring
+says what each category holds), no profiler. vLLM runs in its own process: its per-step time is
+observable (wall / steps), its split is not.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import time
-from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 
-import tinypaged.llm_engine as llm_engine
 from tinypaged import LLM, SamplingParams
-from tinypaged.attention import ForwardContext
-from tinypaged.fast_path import FusedLinear
+from tinypaged.lab.step_profile import CATEGORIES, profile_generate
 from tinypaged.lab.workloads import prompt_token_ids, sharegpt_like
 
 logging.getLogger("tinypaged").setLevel(logging.ERROR)
-CATEGORIES = ("projections", "attention", "norms/RoPE/act", "sampling", "host")
-
-
-class StepTimers:
-    """Seconds spent per category while active (timers nest: linear and attend lie inside forward)."""
-
-    def __init__(self):
-        self.seconds = defaultdict(float)
-        self.running = set()
-
-    def timed(self, key, fn):
-        def wrapper(*args, **kwargs):
-            if key in self.running:  # a prepacked projection that falls back on F.linear counts once
-                return fn(*args, **kwargs)
-            self.running.add(key)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - t0
-                self.running.discard(key)
-        return wrapper
-
-    @contextlib.contextmanager
-    def around(self, engine):
-        saved = F.linear, FusedLinear.__call__, ForwardContext.attend, llm_engine.sample
-        F.linear = self.timed("linear", F.linear)
-        FusedLinear.__call__ = self.timed("linear", FusedLinear.__call__)
-        ForwardContext.attend = self.timed("attend", ForwardContext.attend)
-        llm_engine.sample = self.timed("sample", llm_engine.sample)
-        engine.model.forward = self.timed("forward", engine.model.forward)
-        engine.step = self.timed("step", engine.step)
-        try:
-            yield self
-        finally:
-            F.linear, FusedLinear.__call__, ForwardContext.attend, llm_engine.sample = saved
-            del engine.model.forward, engine.step  # back to the class's methods
-
-    def split(self) -> dict:
-        s = self.seconds
-        return {"projections": s["linear"], "attention": s["attend"],
-                "norms/RoPE/act": s["forward"] - s["linear"] - s["attend"], "sampling": s["sample"],
-                "host": s["step"] - s["forward"] - s["sample"], "total": s["step"]}
 
 
 def workload(n, scale):
@@ -92,17 +33,10 @@ def workload(n, scale):
 def profile_tinypaged(prompts, outs, batch, **knobs) -> dict:
     llm = LLM("smollm2-135m", device="cpu", dtype="float32", max_num_seqs=batch, kv_cache_tokens=8192,
               block_size=16, max_model_len=512, max_num_batched_tokens=512, **knobs)
-    engine = llm.llm_engine
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
-    warm = prompts[:batch]  # warm-up: the first calls pay one-off allocation costs
+    warm = prompts[:batch]  # warm-up: the first calls pay one-off allocation (and weight packing) costs
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    before = llm.get_metrics()["num_steps"]
-    with StepTimers().around(engine) as timers:
-        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    steps = llm.get_metrics()["num_steps"] - before
-    history = list(engine.history)[-steps:]
-    decode_only = sum(1 for h in history if h["num_prefill_tokens"] == 0)
-    return dict(timers.split(), steps=steps, decode_only=decode_only, tokens=sum(outs))
+    return dict(profile_generate(llm, [{"prompt_token_ids": p} for p in prompts], params), tokens=sum(outs))
 
 
 def profile_vllm(prompts, outs, batch, cores) -> dict | None:
