@@ -1,14 +1,17 @@
 """The engine's fast path (course-only knob ``fast_path``, on by default): the same maths, fewer kernels.
 
-Two changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
+Three changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
 
 * **fused projections**: q, k and v read the same input, and so do gate and up; stacking their weights
   makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): four
   calls per layer instead of seven (a small gain on a CPU, where a decode step's few rows make each
   GEMM cost what reading its weights costs);
+* **prepacked weights**: on a CPU with oneDNN every projection runs on a copy of its weight in oneDNN's
+  blocked layout, which suits GEMMs of a few rows better (vLLM's CPU path prepacks too). It costs a
+  second copy of the weights in memory;
 * **fused attention**: ``attention_backend="torch"`` gathers each sequence's keys once and hands them to
-  ``torch.nn.functional.scaled_dot_product_attention`` (one kernel, grouped-query heads, no [B, H, C]
-  score tensor kept around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks.
+  ``torch.nn.functional.scaled_dot_product_attention`` (one kernel, no [B, H, C] score tensor kept
+  around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks.
 
 ``fast_path=False`` runs the reference path; tests/test_fast_path.py checks both give the same numbers.
 """
