@@ -4,7 +4,8 @@
     python benchmarks/bench_throughput.py --quick   # 32 requests, lengths x 1/16 (2-3 minutes)
 
 Part 1 (SmolLM2-135M, float32, CPU, the same requests for every system, all arriving at t=0):
-  tinypaged static, tinypaged continuous, transformers `generate` on left-padded static batches
+  tinypaged static, tinypaged continuous (on its default fast path, and with fast_path=False, the
+  reference path of lessons 1-3), transformers `generate` on left-padded static batches
   of the same size, and transformers' own paged continuous batching (the manager behind
   `generate_batch`). Output lengths are forced (ignore_eos + max_tokens) so every system does the
   same useful work. Then the continuous run's exact batches are replayed through the bare model
@@ -14,6 +15,8 @@ Part 1b (where the vLLM environment exists, `bash scripts/vllm_env.sh`): the sam
   max_num_seqs = --batch, block_size 32 (the smallest vLLM's CPU attention takes) and the same --cores
   CPU cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1); tinypaged: N torch threads, affinity to cores
   0..N-1); tokens/s, the ratio tinypaged / vLLM, and whether the greedy tokens are equal.
+Summary (printed last): tinypaged's tokens/s against vLLM's (part 1b) and transformers' continuous
+  batching (part 1), the two ratios, and the engine / bare-forward ratio.
 Part 2 ("tiny" model, to keep CPU time sane): sweeps of max_num_seqs and max_num_batched_tokens,
   and the cost of recompute vs swap preemption at a few block sizes.
 
@@ -150,6 +153,7 @@ def part1(args):
     cont = run_tinypaged("smollm2-135m", prompts, outs, record=recorded, max_num_batched_tokens=512, **common)
     raw = replay_raw(cont["llm"].llm_engine.model, recorded)
     del recorded
+    reference = run_tinypaged("smollm2-135m", prompts, outs, max_num_batched_tokens=512, fast_path=False, **common)
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     hf_static = run_hf_static(hf, prompts, outs, B, pad_id=2)
@@ -165,7 +169,9 @@ def part1(args):
 
     rows = [row("tinypaged static", static, static["metrics"]["num_steps"],
                 f"idle slots {100 * static['metrics']['idle_slot_fraction']:.1f}%"),
-            row("tinypaged continuous", cont, cont["metrics"]["num_steps"]),
+            row("tinypaged continuous", cont, cont["metrics"]["num_steps"], "fast path (default)"),
+            row("tinypaged continuous, fast_path=False", reference, reference["metrics"]["num_steps"],
+                "reference path"),
             row("transformers generate (padded static)", hf_static)]
     if hf_cb:
         rows.append(row("transformers continuous (generate_batch's manager)", hf_cb, "",
@@ -183,9 +189,12 @@ def part1(args):
         print(f"  tinypaged continuous / transformers CB:       {tput(cont) / tput(hf_cb):.2f}x")
     print(f"  static batching idle-slot fraction: {100 * static['metrics']['idle_slot_fraction']:.1f}% "
           f"(slot-steps where a finished request waits for its batch)")
+    print(f"  fast path / reference path (tinypaged continuous): {tput(cont) / tput(reference):.2f}x")
     print(f"  raw model limit: the continuous run's {cont['metrics']['num_steps']} batches through the bare forward "
           f"take {raw:.1f} s vs {cont['wall']:.1f} s in the engine: engine = {100 * raw / cont['wall']:.1f}% "
-          f"of the raw model throughput (target >= 85%)")
+          f"of the raw model throughput (target >= 95%)")
+    return {"tinypaged": tput(cont), "reference": tput(reference), "hf_cb": tput(hf_cb) if hf_cb else None,
+            "engine_over_bare": raw / cont["wall"]}
 
 
 # -- part 1b: the real vLLM -------------------------------------------------------------------------
@@ -196,7 +205,7 @@ def part1b(args):
 
     if not vllm_side.available():
         print(f"\nPart 1b skipped: {vllm_side.MISSING}")
-        return
+        return {}
     cores = args.cores
     trace, prompts, outs = make_requests(args.num_requests, args.scale, 49152)
     B, tokens = args.batch, sum(outs)
@@ -234,6 +243,25 @@ def part1b(args):
     print(f"\n  tinypaged / vLLM throughput: {(tokens / tp['wall']) / (tokens / v['wall']):.2f}x; greedy tokens equal "
           f"for {same}/{len(outs)} requests; vLLM start-up (load + compile) {warm['engine_start_s']:.0f} s "
           f"of {v_total:.0f} s in its subprocess (warm-up run {warm['wall']:.1f} s)")
+    return {"tinypaged_pinned": tokens / tp["wall"], "vllm": tokens / v["wall"], "cores": cores}
+
+
+def summary(p1: dict, p1b: dict) -> None:
+    """The issue's figures in one place: tinypaged against vLLM and transformers, from this very run."""
+    print("\nSummary (tinypaged = continuous batching on its default fast path; output tokens/s)")
+    if p1:
+        print(f"  tinypaged (part 1):                     {p1['tinypaged']:.1f}  (reference path {p1['reference']:.1f})")
+    if p1b:
+        print(f"  tinypaged (part 1b, {p1b['cores']} cores, block 32):  {p1b['tinypaged_pinned']:.1f}")
+        print(f"  vLLM CPU build (part 1b, same cores):   {p1b['vllm']:.1f}")
+        print(f"  tinypaged / vLLM:                       {p1b['tinypaged_pinned'] / p1b['vllm']:.2f}x  (goal >= 1.0x)")
+    if p1 and p1["hf_cb"]:
+        print(f"  transformers CB (part 1):               {p1['hf_cb']:.1f}")
+        print(f"  tinypaged / transformers CB:            {p1['tinypaged'] / p1['hf_cb']:.2f}x  (goal >= 1.5x)")
+    if p1:
+        print(f"  engine / bare forward:                  {p1['engine_over_bare']:.2f}  (goal >= 0.95)")
+    if not p1 and not p1b:
+        print("  (parts 1 and 1b were skipped)")
 
 
 # -- part 2 ----------------------------------------------------------------------------------------
@@ -291,12 +319,11 @@ def main():
     args.num_requests = args.requests or args.num_requests
     args.preempt_cache_tokens = 512
     t0 = time.perf_counter()
-    if not args.skip_part1:
-        part1(args)
-    if not args.skip_vllm:
-        part1b(args)
+    p1 = part1(args) if not args.skip_part1 else {}
+    p1b = part1b(args) if not args.skip_vllm else {}
     if not args.skip_part2:
         part2(args)
+    summary(p1, p1b)
     print(f"\n(total benchmark time {time.perf_counter() - t0:.0f} s)")
 
 
