@@ -84,9 +84,9 @@ class EngineConfig:
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
     attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
-    # course-only: True runs fused QKV and gate/up projections and attention_backend="torch" through
-    # scaled_dot_product_attention (tinypaged/fast_path.py); False runs the readable reference path of
-    # lessons 1-3 (seven projections per layer, attend_gathered). Same tokens either way.
+    # course-only: True runs fused QKV and gate/up projections, oneDNN-prepacked weights (CPU) and
+    # attention_backend="torch" through scaled_dot_product_attention (tinypaged/fast_path.py); False runs
+    # the readable reference path of lessons 1-3 (seven projections, attend_gathered). Same tokens.
     fast_path: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
     kv_cache_manager: Any = None  # a factory(spec: KVCacheSpec) -> KVCacheManager; None: kv_cache's own
