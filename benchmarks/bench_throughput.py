@@ -248,18 +248,21 @@ def part1b(args):
 
 def summary(p1: dict, p1b: dict) -> None:
     """The issue's figures in one place: tinypaged against vLLM and transformers, from this very run."""
+    def line(label, value):
+        print(f"  {label + ':':44s}{value}")
+
     print("\nSummary (tinypaged = continuous batching on its default fast path; output tokens/s)")
     if p1:
-        print(f"  tinypaged (part 1):                     {p1['tinypaged']:.1f}  (reference path {p1['reference']:.1f})")
+        line("tinypaged (part 1)", f"{p1['tinypaged']:.1f}  (reference path {p1['reference']:.1f})")
     if p1b:
-        print(f"  tinypaged (part 1b, {p1b['cores']} cores, block 32):  {p1b['tinypaged_pinned']:.1f}")
-        print(f"  vLLM CPU build (part 1b, same cores):   {p1b['vllm']:.1f}")
-        print(f"  tinypaged / vLLM:                       {p1b['tinypaged_pinned'] / p1b['vllm']:.2f}x  (goal >= 1.0x)")
+        line(f"tinypaged (part 1b, {p1b['cores']} cores, block 32)", f"{p1b['tinypaged_pinned']:.1f}")
+        line("vLLM CPU build (part 1b, same cores)", f"{p1b['vllm']:.1f}")
+        line("tinypaged / vLLM", f"{p1b['tinypaged_pinned'] / p1b['vllm']:.2f}x  (goal >= 1.0x)")
     if p1 and p1["hf_cb"]:
-        print(f"  transformers CB (part 1):               {p1['hf_cb']:.1f}")
-        print(f"  tinypaged / transformers CB:            {p1['tinypaged'] / p1['hf_cb']:.2f}x  (goal >= 1.5x)")
+        line("transformers CB (part 1)", f"{p1['hf_cb']:.1f}")
+        line("tinypaged / transformers CB", f"{p1['tinypaged'] / p1['hf_cb']:.2f}x  (goal >= 1.5x)")
     if p1:
-        print(f"  engine / bare forward:                  {p1['engine_over_bare']:.2f}  (goal >= 0.95)")
+        line("engine / bare forward", f"{p1['engine_over_bare']:.2f}  (goal >= 0.95)")
     if not p1 and not p1b:
         print("  (parts 1 and 1b were skipped)")
 
