@@ -105,7 +105,7 @@ class SDPABackend(TorchBackend):
         visible = torch.arange(keys.shape[2], device=query.device) < batch.context_lens[:, None]
         # the `group` query heads sharing a KV head stand in for query positions: a plain (non-GQA) call,
         # which torch runs on its fused CPU kernel (enable_gqa=True takes a slower path)
-        grouped = query.view(b, kvh, h // kvh, d)
+        grouped = query.reshape(b, kvh, h // kvh, d)
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
         return out.reshape(b, h, d)
 
