@@ -74,3 +74,45 @@ def test_wrapped_and_aliased_references_are_caught():
     for impl in (attention.slot_mapping, wrapper, sneaky):
         status, msg = checks.evaluate("slot_mapping", impl)
         assert status == checks.FAIL and "reference implementation" in msg
+
+
+def _stage07_given_and_solution_cells() -> dict:
+    """The stage 7 solution's classes and the given plug-in cell, executed without its check cells (which
+    would load SmolLM2)."""
+    import json
+
+    from tinypaged.course import coursework
+    from tinypaged.course.grading.notebook import source_of
+
+    nb = json.loads((coursework.ROOT / "solutions" / "07_radix_attention.ipynb").read_text())
+    ns: dict = {"__name__": "__submission__"}
+    for cell in nb["cells"]:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in ("setup", "RadixTree", "lpm_order", "plugin"):
+            exec(compile(source_of(cell), "<solutions/07 cell>", "exec"), ns)
+    return ns
+
+
+def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
+    """Regression: the serving check refused the solution's plug-ins outright (they are the package's
+    RadixKVManager and CacheAwareOrder around the learner's tree and order), so the solution got 8/10.
+    The seams pass when the pieces inside are the notebook's, and only then (refused before the model loads)."""
+    from tinypaged.course.checks.serving import check_plugins
+    from tinypaged.course.checks.stage07 import _preflight
+    from tinypaged.radix_cache import RadixKVManager
+    from tinypaged.radix_policy import CacheAwareOrder, longest_prefix_first
+
+    plugins = _stage07_given_and_solution_cells()["plugins"]
+    check_plugins(plugins, ("kv_cache_manager", "scheduling_policy"))
+    _preflight(plugins)
+    with pytest.raises(ValueError, match="package's own"):
+        check_plugins(plugins)  # without naming the seams, the package's classes are refused as before
+    serve = checks.get("serve_radix")
+    bad = {"the package's tree": dict(plugins, kv_cache_manager=RadixKVManager.factory(page_size=1)),
+           "a named order": dict(plugins, scheduling_policy=CacheAwareOrder("lpm")),
+           "the package's order": dict(plugins, scheduling_policy=CacheAwareOrder(longest_prefix_first)),
+           "no policy": {"kv_cache_manager": plugins["kv_cache_manager"]}}
+    want = {"the package's tree": "your RadixTree", "a named order": "your lpm_order",
+            "the package's order": "your lpm_order", "no policy": "scheduling_policy"}
+    for what, impl in bad.items():
+        (outcome,) = checks.observe(serve, impl)["outcomes"]
+        assert want[what] in outcome.get("error", ""), (what, outcome)

@@ -351,6 +351,23 @@ def test_cache_aware_order_reorders_only_the_view(order, fcfs_above, want):
     assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3], "the scheduler's own queue keeps arrival order"
 
 
+@pytest.mark.parametrize("order, repeat_first", [("lpm", True), ("fcfs", False)])
+def test_cache_aware_order_changes_what_the_engine_admits(order, repeat_first):
+    """Regression: the engine's continuous step read the scheduler's real queue, not the reordered view,
+    so ``lpm`` admitted in arrival order. One request at a time: after the first prompt, its repeat (all
+    but the last token cached) goes before the other prompt under lpm, after it under fcfs."""
+    from tinypaged import LLM, SamplingParams
+
+    llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=1,
+              kv_cache_manager=RadixKVManager.factory(1), scheduling_policy=CacheAwareOrder(order))
+    first, other = list(range(10, 22)), list(range(50, 62))
+    admitted = []
+    llm.generate([{"prompt_token_ids": p} for p in (first, other, first)],
+                 SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                 on_step=lambda st: admitted.extend(s.seq.seq_id for s in st.scheduled if s.seq.seq_id not in admitted))
+    assert [a - admitted[0] for a in admitted] == ([0, 2, 1] if repeat_first else [0, 1, 2])
+
+
 # ---------------------------------------------------------------- workloads and the view
 
 def test_workloads_share_what_they_say():

@@ -37,6 +37,13 @@ class _ReorderedView:
     def __getattr__(self, name):
         return getattr(self._sched, name)
 
+    def run_step(self, step_fn):
+        """The scheduler's own ``run_step`` would read its real queue: run the step over this view (its
+        actions, ``admit`` among them, are still the scheduler's)."""
+        from tinypaged.scheduler import StepKV
+
+        return StepKV(self).run(step_fn)
+
 
 class CacheAwareOrder:
     """A ``SchedulingPolicy``: ``LLM(scheduling_policy=CacheAwareOrder("lpm"))``."""

@@ -28,14 +28,21 @@ def _owner_module(value) -> str:
     return getattr(owner, "__module__", "") or ""
 
 
-def check_plugins(impl) -> None:
+def check_plugins(impl, adapters: tuple[str, ...] = ()) -> None:
     """The plug-ins must be the notebook's own: an empty dict (the engine would fall back to its own parts)
-    or a plug-in defined in the package earns nothing."""
+    or a plug-in defined in the package earns nothing. ``adapters``: keys whose plug-in is the package's
+    seam around the learner's pieces (stage 7: ``RadixKVManager`` around their tree, ``CacheAwareOrder``
+    around their order); they must be present, and the check's preflight proves the pieces inside are theirs."""
     if not isinstance(impl, dict):
         raise TypeError("pass the engine's plug-ins as a dict of LLM keyword arguments")
     if not impl:
         raise ValueError("plugins names no plug-in: the engine would serve with its own parts, not yours")
+    missing = [key for key in adapters if key not in impl]
+    if missing:
+        raise ValueError(f"plugins needs {', '.join(missing)} (the given cell builds it around your code)")
     for key, value in impl.items():
+        if key in adapters:
+            continue
         mod = _owner_module(value)
         if mod.startswith("tinypaged"):
             raise ValueError(f"plug-in {key} is the package's own ({mod}.{getattr(value, '__qualname__', '')}), "
@@ -73,8 +80,8 @@ def counted_plugins(impl: dict) -> tuple[dict, dict]:
                 return _f(*a, **k)
 
             out[key] = fn
-        elif hasattr(value, "decode") or hasattr(value, "write"):
-            out[key] = _counting(value, key, counts)
+        elif hasattr(value, "decode") or hasattr(value, "write") or hasattr(value, "schedule"):
+            out[key] = _counting(value, key, counts)  # an attention backend, a writer, a scheduling policy
         else:
             out[key] = value
     return out, counts
@@ -124,19 +131,24 @@ def hf_greedy(prompts: tuple[str, ...], max_tokens: int) -> tuple[tuple[int, ...
 
 
 def serving_check(stage: str, name: str, prompts: tuple[str, ...], max_tokens: int, engine_kwargs: dict,
-                  preflight=None, facts=(), uses: tuple[str, ...] = (), forbidden=None, points: int = 2):
+                  preflight=None, facts=(), uses: tuple[str, ...] = (), forbidden=None, points: int = 2,
+                  adapters: tuple[str, ...] = ()):
     """Register check ``name``: ``LLM(MODEL, **engine_kwargs, **impl)`` must reproduce transformers' greedy
     tokens for ``prompts``.
 
     ``preflight(impl)`` runs first and cheaply (an unfinished piece raises NotImplementedError before the
     model loads). ``facts`` are ``(description, fn(llm, outputs) -> bool)`` pairs that must hold.
+    ``adapters``: plug-in keys that may be the package's seams (see :func:`check_plugins`); the preflight
+    must then refuse them unless the learner's pieces are inside.
     """
+    if adapters and preflight is None:
+        raise ValueError(f"serving check {name}: adapters {adapters} need a preflight that checks what is inside")
     label = f"SmolLM2, {len(prompts)} prompt(s) x {max_tokens} greedy tokens"
 
     def run(impl, t):
         from tinypaged import LLM, SamplingParams
 
-        check_plugins(impl)
+        check_plugins(impl, adapters)
         if preflight is not None:
             preflight(impl)
         plugins, counts = counted_plugins(impl)

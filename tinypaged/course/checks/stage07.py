@@ -172,7 +172,9 @@ def cases_lpm_order(hidden):
 # ---------------------------------------------------------------- serving SmolLM2
 
 def _preflight(impl):
-    """The tree inside the manager must be the notebook's (not the package's RadixCache)."""
+    """The plug-ins are the package's seams (``RadixKVManager``, ``CacheAwareOrder``): the tree inside the
+    manager must be the notebook's RadixTree (not the package's RadixCache) and the policy's order the
+    notebook's lpm_order (not a named order such as ``"lpm"``, nor the package's function)."""
     from tinypaged.course.checks import get, reuse_of_reference
     from tinypaged.interfaces import KVCacheSpec
 
@@ -184,12 +186,14 @@ def _preflight(impl):
     why = reuse_of_reference(get("radix_tree"), type(tree)) if tree is not None else "there is no tree"
     if why:
         raise TypeError(f"the manager's tree must be your RadixTree: {why}")
+    order = getattr(impl.get("scheduling_policy"), "order", None)
+    why = reuse_of_reference(get("lpm_order"), order) if callable(order) else f"its order is {order!r}"
+    if why:
+        raise TypeError(f"the scheduling policy must order by your lpm_order: {why}")
     tree.insert([1, 2], [0, 1])  # an unfinished piece raises NotImplementedError here, before the model loads
     tree.match_prefix([1, 2])
     tree.evict(2)
-    order = getattr(impl.get("scheduling_policy"), "order", None)
-    if callable(order):
-        order([], lambda s: 0)
+    order([], lambda s: 0)
 
 
 def _reordered(llm, outs) -> bool:
@@ -209,7 +213,7 @@ serving_check("07", "serve_radix",
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64, max_num_seqs=1,
                                  dtype="float32", device="cpu"),
-              preflight=_preflight,
+              preflight=_preflight, adapters=("kv_cache_manager", "scheduling_policy"),
               facts=[("cache-aware order ran the repeated prompt before the second one", _reordered),
                      ("the repeat found all but its last prompt token cached", _whole_hit)],
               uses=("RadixTree", "lpm_order"))
