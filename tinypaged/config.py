@@ -84,7 +84,7 @@ class EngineConfig:
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
     attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
-    # course-only: True runs fused QKV and gate/up projections, oneDNN-prepacked weights (CPU) and
+    # course-only: True runs fused QKV and gate/up projections and
     # attention_backend="torch" through scaled_dot_product_attention (tinypaged/fast_path.py); False runs
     # the readable reference path of lessons 1-3 (seven projections, attend_gathered). Same tokens.
     fast_path: bool = True

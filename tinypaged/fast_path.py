@@ -1,17 +1,17 @@
 """The engine's fast path (course-only knob ``fast_path``, on by default): the same maths, fewer kernels.
 
-Three changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
+Two changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
 
 * **fused projections**: q, k and v read the same input, and so do gate and up; stacking their weights
   makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): four
   calls per layer instead of seven (a small gain on a CPU, where a decode step's few rows make each
   GEMM cost what reading its weights costs);
-* **prepacked weights**: on a CPU with oneDNN every projection runs on a copy of its weight in oneDNN's
-  blocked layout, which suits GEMMs of a few rows better (vLLM's CPU path prepacks too). It costs a
-  second copy of the weights in memory;
 * **fused attention**: ``attention_backend="torch"`` gathers each sequence's keys once and hands them to
   ``torch.nn.functional.scaled_dot_product_attention`` (one kernel, no [B, H, C] score tensor kept
   around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks.
+
+oneDNN-prepacked weights were tried and left out: the engine's batch shape changes from step to step,
+and each new shape builds a new oneDNN primitive, which cost more than it saved (docs/RESULTS.md).
 
 ``fast_path=False`` runs the reference path; tests/test_fast_path.py checks both give the same numbers.
 """
@@ -25,22 +25,13 @@ from torch import nn
 from tinypaged.attention import TorchBackend
 
 
-def can_prepack(weight: torch.Tensor) -> bool:
-    """Whether torch can hand this weight to oneDNN's prepacked small-batch GEMM (CPU, fp32/bf16)."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
 class FusedLinear:
     """One or more ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
 
     Invariants: each layer's weight (and bias) is a view into the stacked tensor (one layer: the weight
     itself, so a tied ``lm_head`` stays tied), so loading a ``state_dict`` into the layers, or reading
-    ``q_proj.weight``, sees the very numbers the GEMM uses. Where torch has oneDNN, the GEMM runs on a
-    copy of the weight in oneDNN's blocked layout (vLLM's CPU path prepacks its weights too); it is
-    packed again whenever the weight changed (``_version``: views share their base's counter). Not an
-    ``nn.Module``, so the model's ``state_dict`` keeps Hugging Face's names. Fuse after the model has
-    its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
+    ``q_proj.weight``, sees the very numbers the GEMM uses. Not an ``nn.Module``, so the model's
+    ``state_dict`` keeps Hugging Face's names. Fuse after the model has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
     """
 
     def __init__(self, layers: list[nn.Linear]):
@@ -58,20 +49,14 @@ class FusedLinear:
                 if has_bias:
                     layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
                 start += size
-        self.packed, self.packed_version = None, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not can_prepack(self.weight):
-            return F.linear(x, self.weight, self.bias)
-        if self.packed_version != self.weight._version:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            self.packed_version = self.weight._version
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def fuse_projections(model) -> None:
     """Give every layer its fused [q; k; v] and [gate; up] projections; o_proj, down_proj and lm_head
-    keep their modules, whose ``forward`` becomes a (one-layer, prepacked) ``FusedLinear``. Idempotent."""
+    keep their modules, whose ``forward`` becomes a one-layer ``FusedLinear``. Idempotent."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:

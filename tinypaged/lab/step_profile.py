@@ -3,8 +3,8 @@
 Explicit wall-clock timers (``time.perf_counter``), no profiler: on a CPU a torch call returns when its
 work is done, so a timer around a call measures that call. :class:`StepTimers` wraps
 
-* ``torch.nn.functional.linear`` and ``FusedLinear`` calls: every projection (fused, prepacked or
-  neither) and the vocabulary projection;
+* ``torch.nn.functional.linear`` and ``FusedLinear`` calls: every projection (fused or
+  not) and the vocabulary projection;
 * ``ForwardContext.attend``: each layer's KV cache write plus its decode and prefill attention;
 * the model's ``forward``; what of it is neither a projection nor attention is embeddings, RMSNorm,
   RoPE, SiLU, residual adds and the Python between them ("norms/RoPE/act");
