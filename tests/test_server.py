@@ -160,7 +160,7 @@ def test_queue_bound_gives_503():
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
                           json={"prompt": [1, 2], "max_tokens": 50, "ignore_eos": True, "stream": True}) as r:
             next(line for line in r.iter_lines() if line.startswith("data: "))
-            busy = httpx.post(srv.url + "/v1/completions", json={"prompt": [3], "max_tokens": 2})
+            busy = httpx.post(srv.url + "/v1/completions", json={"prompt": [3], "max_tokens": 2}, timeout=60)
             assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_overloaded"
             gate.set()
         _wait_idle(srv)

@@ -186,6 +186,10 @@ GENERATIONS = [
                ("BATCHING_PROMPTS", "BATCHING_OUTPUT_LENS")),
     Generation("trace", "smollm2-135m", "float32", _trace, tuple(r.output_len for r in trace_requests()), False,
                ((NB4, r"static.*continuous.*\n.*LLM\(\"smollm2-135m\""),), ("trace_requests", "make_trace_prompts")),
+    # "Cheaper steps, same schedule": the first 8 trace requests, at most 12 of their forced tokens, both paths
+    Generation("trace_profile", "smollm2-135m", "float32", lambda tok: _trace(tok)[:8],
+               tuple(min(12, r.output_len) for r in trace_requests()[:8]), False,
+               ((NB4, r"profile_generate\(llm, few"),), ("make_trace_prompts",)),
     Generation("triton", "tiny", "float32", _ids(TRITON_PROMPTS), (TRITON_NEW_TOKENS,) * 4, False,
                ((NB5, r"counting_decode"),), ("TRITON_PROMPTS", "TRITON_NEW_TOKENS")),
 ]
