@@ -13,12 +13,8 @@ export PATH="$PWD/.venv/bin:$PATH" PYTHONHASHSEED=0 MPLBACKEND=Agg TOKENIZERS_PA
 export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
 python -m tinypaged.course check             # exercises must match their solutions
-# Two workers, a test file each at a time (--dist loadfile keeps a module's fixtures, e.g. its one vLLM
-# subprocess, on one worker): the sandboxed grading tests and vLLM's subprocess wait on single-threaded
-# work much of the time, so the two cores stay busy.
-python -m pytest -q -n 2 --dist loadfile tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab "$@"
-# Notebooks and solutions: strict output comparison, two workers (a notebook stays on one). Exercises: run,
-# outputs not compared.
-python -m pytest -q -p no:randomly -n 2 --dist loadfile --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
+python -m pytest -q tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab "$@"
+# Notebooks and solutions: strict output comparison. Exercises: run, outputs not compared.
+python -m pytest -q -p no:randomly --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks solutions
 python -m pytest -q --nbval-lax --nbval-current-env exercises
 bash scripts/browser_test.sh
