@@ -28,46 +28,37 @@ from tinypaged.attention import TorchBackend
 class FusedLinear:
     """One or more ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
 
-    Invariants: each layer's weight (and bias) is a view into the stacked tensor (one layer: the weight
-    itself, so a tied ``lm_head`` stays tied), so loading a ``state_dict`` into the layers, or reading
-    ``q_proj.weight``, sees the very numbers the GEMM uses. Not an ``nn.Module``, so the model's
-    ``state_dict`` keeps Hugging Face's names. Fuse after the model has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
+    Invariant: each layer's weight (and bias) is a view into the stacked tensor, so loading a
+    ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the GEMM uses. Not an ``nn.Module``, so the model's
+    ``state_dict`` keeps Hugging Face's names. Fuse after the model has its final
+    device and dtype (``.to()`` copies each parameter on its own, ending the views).
     """
 
     def __init__(self, layers: list[nn.Linear]):
         has_bias = layers[0].bias is not None
-        if len(layers) == 1:
-            self.weight = layers[0].weight.detach()
-            self.bias = layers[0].bias.detach() if has_bias else None
-        else:
-            self.weight = torch.cat([layer.weight.detach() for layer in layers])
-            self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
-            start = 0
-            for layer in layers:
-                size = layer.out_features
-                layer.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
-                if has_bias:
-                    layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
-                start += size
+        self.weight = torch.cat([layer.weight.detach() for layer in layers])
+        self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
+        start = 0
+        for layer in layers:
+            size = layer.out_features
+            layer.weight = nn.Parameter(self.weight[start:start + size], requires_grad=False)
+            if has_bias:
+                layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
+            start += size
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
 def fuse_projections(model) -> None:
-    """Give every layer its fused [q; k; v] and [gate; up] projections; o_proj, down_proj and lm_head
-    keep their modules, whose ``forward`` becomes a one-layer ``FusedLinear``. Idempotent."""
+    """Give every layer its fused [q; k; v] and [gate; up] projections (o_proj, down_proj and lm_head are
+    single GEMMs already and stay as they are). Idempotent."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:
             attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         if mlp.gate_up_proj is None:
             mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
-        for single in (attn.o_proj, mlp.down_proj):
-            if not isinstance(single.forward, FusedLinear):
-                single.forward = FusedLinear([single])
-    if not isinstance(model.lm_head.forward, FusedLinear):
-        model.lm_head.forward = FusedLinear([model.lm_head])
 
 
 class SDPABackend(TorchBackend):
