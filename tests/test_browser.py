@@ -168,7 +168,10 @@ def lab(browser_env, tmp_path_factory, out_dir):
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--LabApp.expose_app_in_browser=True"]
     if os.geteuid() == 0:
         cmd.append("--allow-root")  # as scripts/course.sh does in containers
-    log = open(out_dir / "jupyterlab.log", "w")
+    # one JupyterLab per pytest-xdist worker (scripts/browser_test.sh runs two): each keeps its own log
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    log_path = out_dir / (f"jupyterlab-{worker}.log" if worker else "jupyterlab.log")
+    log = open(log_path, "w")
     server = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -179,7 +182,7 @@ def lab(browser_env, tmp_path_factory, out_dir):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"JupyterLab did not start; see {out_dir / 'jupyterlab.log'}")
+                    raise RuntimeError(f"JupyterLab did not start; see {log_path}")
                 time.sleep(0.5)
         yield {"base": base, "token": token, "chromium": browser_env}
     finally:

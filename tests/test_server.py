@@ -146,23 +146,34 @@ def test_disconnect_aborts_and_frees_blocks(tiny):
 
 
 def test_queue_bound_gives_503():
+    """max_num_seqs 1 and max_queued 0: while one request is in flight a second gets a 503, and once the first
+    has ended the same request is served. The engine's steps are held until the test lets them go, so the first
+    request is surely in flight however slow the machine is (its admission is counted before it is queued)."""
     llm = LLM("tiny", dtype="float32", device="cpu", num_gpu_blocks_override=64, block_size=4, max_num_seqs=1)
     gate, step = threading.Event(), llm.llm_engine.step
 
-    def held_step(*a, **k):  # after its first token the request waits: it is surely still in flight
-        out = step(*a, **k)
-        gate.wait(30)
-        return out
+    def held_step(*a, **k):
+        if not gate.wait(300):
+            raise RuntimeError("the test never released the engine")
+        return step(*a, **k)
 
     llm.llm_engine.step = held_step
     srv = RunningServer(llm, "tiny", max_queued=0)
+    first: dict = {}
+    worker = threading.Thread(target=lambda: first.setdefault("r", httpx.post(
+        srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, "ignore_eos": True}, timeout=300)))
     try:
-        with httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
-                          json={"prompt": [1, 2], "max_tokens": 50, "ignore_eos": True, "stream": True}) as r:
-            next(line for line in r.iter_lines() if line.startswith("data: "))
-            busy = httpx.post(srv.url + "/v1/completions", json={"prompt": [3], "max_tokens": 2}, timeout=60)
-            assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_overloaded"
-            gate.set()
+        worker.start()
+        deadline = time.monotonic() + 120
+        while srv.loop.num_in_flight < 1:
+            assert time.monotonic() < deadline, "the first request was never admitted"
+            time.sleep(0.01)
+        busy = httpx.post(srv.url + "/v1/completions", json={"prompt": [3], "max_tokens": 2}, timeout=60)
+        assert busy.status_code == 503 and busy.json()["error"]["type"] == "server_overloaded"
+        assert "max_queued (0)" in busy.json()["error"]["message"]
+        gate.set()
+        worker.join(120)
+        assert first["r"].status_code == 200 and first["r"].json()["usage"]["completion_tokens"] == 4
         _wait_idle(srv)
         ok = httpx.post(srv.url + "/v1/completions", json={"prompt": [3], "max_tokens": 2}, timeout=60)
         assert ok.status_code == 200

@@ -79,22 +79,35 @@ def request(prompt_token_ids, max_tokens: int, ignore_eos: bool = True, arrival:
                 arrival=float(arrival), n=int(n), seed=seed, after_steps=int(after_steps))
 
 
-def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: int = 2,
+def _cores(cores) -> int:
+    where = "cores"
+    if cores is None:
+        where, cores = "TINYPAGED_VLLM_CORES", os.environ.get("TINYPAGED_VLLM_CORES", "2")
+    try:
+        value = int(cores)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1 or isinstance(cores, bool) or (isinstance(cores, float) and cores != value):
+        raise ValueError(f"{where} must be a whole number of CPU cores, at least 1 (got {cores!r})")
+    if value > (os.cpu_count() or 1):
+        raise ValueError(f"{where} is {value}, but this machine has {os.cpu_count()} CPU cores for vLLM to bind")
+    return value
+
+
+def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: int | None = None,
         timeout: float | None = None) -> list[dict]:
     """Run ``experiments`` in one vLLM subprocess; one result dict per experiment, in order.
+
+    ``cores``: CPU cores vLLM binds (default ``TINYPAGED_VLLM_CORES``, else 2). ``scripts/test.sh`` sets 1: beside
+    a second test worker, two bound OpenMP threads wait on each other and an eager step takes 10-20 times longer
+    (counts do not depend on it; the benchmarks pass their own).
 
     Each experiment is ``{"engine": {EngineArgs keywords}, "requests": [request(...), ...]}`` with an
     optional ``"realtime": True`` (requests join at their ``arrival`` seconds, as in a serving replay;
     otherwise all are queued before the first step). Engine keywords default to the course's setting:
     SmolLM2 fp32 (the converted folder), ``block_size`` 32, ``seed`` 0, ``max_model_len`` 512.
     """
-    py = python()
-    if py is None:
-        raise RuntimeError(MISSING)
-    if model is None:
-        from tinypaged.model_loader import smollm2_folder
-
-        model = smollm2_folder()
+    cores = _cores(cores)
     for i, exp in enumerate(experiments):
         if not exp.get("requests"):
             raise ValueError(f"experiment {i} has no requests")
@@ -104,6 +117,13 @@ def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: 
         bs = exp.get("engine", {}).get("block_size", CPU_BLOCK_SIZE)
         if bs % CPU_BLOCK_SIZE:
             raise ValueError(f"experiment {i}: block_size {bs}: vLLM's CPU attention needs a multiple of 32")
+    py = python()
+    if py is None:
+        raise RuntimeError(MISSING)
+    if model is None:
+        from tinypaged.model_loader import smollm2_folder
+
+        model = smollm2_folder()
     CACHE.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND=f"0-{cores - 1}" if cores > 1 else "0",
