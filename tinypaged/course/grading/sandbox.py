@@ -145,8 +145,9 @@ class Sandbox:
         for h in hidden:
             cmd += hide(h)
         rebound = []
+        covered = hidden + [Path("/tmp")]  # a checkout or environment under /tmp is under the empty tmpfs too
         for p in readable:
-            inside = [h for h in hidden if p != h and h in p.parents]
+            inside = [h for h in covered if p != h and h in p.parents]
             if not inside:
                 continue
             for parent in reversed(p.parents):  # bwrap makes missing mount points 0700: make them readable
