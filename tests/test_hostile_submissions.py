@@ -219,3 +219,22 @@ def test_the_sandbox_hides_the_answers_and_allows_writes_only_to_its_scratch(tmp
     if os.geteuid() == 0:
         assert out[7] == "65534"  # nobody
     assert not (ROOT / "tinypaged" / "x").exists() and not (tmp_path / "x").exists()
+
+
+def test_an_environment_under_tmp_is_readable_inside_and_nothing_else_there(tmp_path, monkeypatch):
+    """A checkout or environment under /tmp (a clone in /tmp, say) is bound back under the sandbox's empty /tmp;
+    its neighbours stay hidden."""
+    from tinypaged.course.grading import sandbox
+
+    env, other, scratch = tmp_path / "env", tmp_path / "other", tmp_path / "scratch"
+    for d in (env, other, scratch):
+        d.mkdir()
+    (env / "marker").write_text("env-visible\n")
+    (other / "marker").write_text("other-visible\n")
+    real = sandbox._readable_paths
+    monkeypatch.setattr(sandbox, "_readable_paths", lambda: real() + [env])
+    box = coursework.sandbox_factory(coursework.hidden_paths())(scratch)
+    script = f"cat {env}/marker; cat {other}/marker 2>/dev/null || echo other-hidden; touch {env}/x 2>/dev/null || echo ro"
+    out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
+                         cwd=scratch).stdout.split()
+    assert out == ["env-visible", "other-hidden", "ro"], out
