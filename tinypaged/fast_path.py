@@ -29,9 +29,9 @@ class FusedLinear:
     """One or more ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
 
     Invariant: each layer's weight (and bias) is a view into the stacked tensor, so loading a
-    ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the GEMM uses. Not an ``nn.Module``, so the model's
-    ``state_dict`` keeps Hugging Face's names. Fuse after the model has its final
-    device and dtype (``.to()`` copies each parameter on its own, ending the views).
+    ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the GEMM uses.
+    Not an ``nn.Module``, so the model's ``state_dict`` keeps Hugging Face's names. Fuse after the model
+    has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
     """
 
     def __init__(self, layers: list[nn.Linear]):

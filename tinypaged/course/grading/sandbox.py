@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NOBODY = 65534
+TMP = Path("/tmp")  # an empty tmpfs inside; what the run needs from under it is bound back
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap)"
 UNSAFE_WARNING = ("WARNING: grading WITHOUT a sandbox (--unsafe-no-sandbox): a submission can read the answers, "
                   "write the package and the gradebook, and reach the network. Use it only on work you trust.")
@@ -122,7 +123,7 @@ class Sandbox:
         if self.unsafe:
             return self.limits() + list(argv)
         s = str(self.scratch)
-        cmd = [bwrap(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
+        cmd = [bwrap(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", str(TMP),
                "--unshare-net", "--unshare-pid", "--unshare-ipc", "--die-with-parent", "--new-session"]
         home = Path.home().resolve()
         hidden = [Path(h).resolve() for h in self.hide]
@@ -145,7 +146,7 @@ class Sandbox:
         for h in hidden:
             cmd += hide(h)
         rebound = []
-        covered = hidden + [Path("/tmp")]  # a checkout or environment under /tmp is under the empty tmpfs too
+        covered = hidden + [TMP]  # a checkout or environment under /tmp is under the empty tmpfs too
         for p in readable:
             inside = [h for h in covered if p != h and h in p.parents]
             if not inside:
