@@ -16,6 +16,7 @@ Three implementations with one signature
 * :func:`gather_then_attend` - the baseline: copy every sequence's K/V out of the
   pages into padded contiguous tensors, then run ordinary masked attention.
   Correct and vectorised, but it reads the context twice and writes it once.
+  (These two are PyTorch only and live in ``reference.py``, importable without Triton.)
 * :func:`paged_attention_decode` - the Triton kernel: it looks up block ids itself
   and reads each cached K/V vector exactly once (FlashAttention-style online softmax).
 
@@ -33,6 +34,9 @@ loaded. So the kernel is organised around *reading the cache once*:
 import torch
 import triton
 import triton.language as tl
+
+from tinypaged.kernels.reference import check_decode_args as _check
+from tinypaged.kernels.reference import gather_then_attend, paged_attention_reference  # noqa: F401 (re-exported)
 
 # Tokens handled per loop iteration of the attention kernel. Independent of the
 # page size: a tile may span several small pages or part of a big one.
@@ -167,20 +171,6 @@ def _split_reduce_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _check(query, key_cache, value_cache, block_tables, seq_lens):
-    assert query.dim() == 3, "query: [num_seqs, num_heads, head_dim]"
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, \
-        "caches: [num_blocks, block_size, num_kv_heads, head_dim]"
-    num_seqs, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    assert key_cache.shape[3] == head_dim, "query and cache disagree on head_dim"
-    assert query.dtype == key_cache.dtype == value_cache.dtype, "query and caches must share a dtype"
-    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads (GQA)"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs
-    assert seq_lens.shape == (num_seqs,)
-    assert not block_tables.is_floating_point() and not seq_lens.is_floating_point()
-
-
 def _dot_precision(dtype) -> str:
     """``tl.dot``'s precision: IEEE for fp32/fp64, so a GPU does not round the inputs to TF32 (10-bit
     mantissa) and the fp32 kernel stays within the checks' 1e-4 of the fp32 reference. 16-bit inputs
@@ -273,65 +263,3 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
         SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
     )
     return out
-
-
-def paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=None):
-    """The spec: for each sequence, gather its keys/values through its block table and attend.
-
-    Computed in fp32 (fp64 for fp64 inputs), returned in query's dtype. ``num_splits`` is accepted for a
-    uniform signature and ignored (splitting changes the order of sums, not the answer).
-    """
-    _check(query, key_cache, value_cache, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    queries_per_kv = num_heads // num_kv_heads
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    out = torch.empty_like(query)
-    for s in range(num_seqs):
-        n = int(seq_lens[s])
-        positions = torch.arange(n, device=query.device)
-        blocks = block_tables[s, positions // block_size].long()
-        offsets = positions % block_size
-        k = key_cache[blocks, offsets].to(compute)    # [n, num_kv_heads, head_dim]
-        v = value_cache[blocks, offsets].to(compute)
-        # Query head h reads KV head h // queries_per_kv.
-        k = k.repeat_interleave(queries_per_kv, dim=1)
-        v = v.repeat_interleave(queries_per_kv, dim=1)
-        scores = torch.einsum("hd,nhd->hn", query[s].to(compute), k) * scale
-        probs = torch.softmax(scores, dim=-1)
-        out[s] = torch.einsum("hn,nhd->hd", probs, v).to(query.dtype)
-    return out
-
-
-def gather_then_attend(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=None):
-    """Baseline: gather the whole batch's K/V into padded contiguous tensors, then masked attention.
-
-    This is what an engine without a paged kernel would do. It moves each cached
-    K/V vector three times (read, write the copy, read the copy) instead of once.
-    """
-    _check(query, key_cache, value_cache, block_tables, seq_lens)
-    num_seqs, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    queries_per_kv = num_heads // num_kv_heads
-    # Pad to the block table's width: a static shape, no device-to-host sync.
-    max_len = block_tables.shape[1] * block_size
-
-    positions = torch.arange(max_len, device=query.device)
-    blocks = block_tables[:, positions // block_size].long()        # [num_seqs, max_len]
-    # Entries past a sequence's end may hold garbage (e.g. -1): point them at block 0, mask later.
-    valid = positions[None, :] < seq_lens[:, None].long()
-    blocks = torch.where(valid, blocks, torch.zeros_like(blocks))
-    offsets = (positions % block_size).expand(num_seqs, -1)
-    k = key_cache[blocks, offsets]                                  # [num_seqs, max_len, kv_heads, dim]
-    v = value_cache[blocks, offsets]
-
-    # GQA without copying K/V per query head: view the query as [seq, kv_head, group, dim].
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-    q = query.to(compute).reshape(num_seqs, num_kv_heads, queries_per_kv, head_dim)
-    scores = torch.einsum("skgd,snkd->skgn", q, k.to(compute)) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # A 0-length sequence would give NaN rows; make them zero like the kernel does.
-    probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.einsum("skgn,snkd->skgd", probs, v.to(compute))
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

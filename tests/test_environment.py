@@ -17,6 +17,21 @@ def _pins(lines):
     return pins
 
 
+def _markers(lines):
+    """name -> the environment marker of its pin (None: every platform)."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    markers = {}
+    for line in lines:
+        try:
+            req = Requirement(line.split(" #")[0].strip().removeprefix("- "))
+        except InvalidRequirement:
+            continue
+        if req.specifier and str(req.specifier).startswith("=="):
+            markers[req.name.lower()] = str(req.marker) if req.marker else None
+    return markers
+
+
 def pyproject_pins():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     return _pins(deps)
@@ -33,12 +48,36 @@ def test_every_dependency_is_pinned():
 
 def test_environment_yml_matches_pyproject():
     assert conda_pins() == pyproject_pins()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    conda = (ROOT / "environment.yml").read_text().splitlines()
+    assert _markers(conda) == _markers(deps), "the environment markers (e.g. triton's) differ"
+
+
+def test_environment_yml_is_yaml_with_the_marker_intact():
+    """A marker line such as triton's must stay one pip requirement after YAML parsing (no comment, no split)."""
+    import yaml
+
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert "triton==3.7.1; sys_platform == 'linux'" in pip
+
+
+def test_triton_is_pinned_for_linux_only():
+    """Triton 3.7.1 has wheels for Linux (x86_64, aarch64) only: an unconditional pin breaks macOS and Windows."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert _markers(deps)["triton"] == 'sys_platform == "linux"'
 
 
 def test_installed_versions_match_pins():
-    for name, pinned in pyproject_pins().items():
-        installed = version(name).split("+")[0]  # torch's CPU build is 2.13.0+cpu
-        assert installed == pinned, f"{name}: installed {installed}, pinned {pinned}"
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for req in map(Requirement, deps):
+        if req.marker and not req.marker.evaluate():
+            continue  # not for this platform (triton off Linux)
+        pinned = str(req.specifier).removeprefix("==")
+        installed = version(req.name).split("+")[0]  # torch's CPU build is 2.13.0+cpu
+        assert installed == pinned, f"{req.name}: installed {installed}, pinned {pinned}"
 
 
 def test_kernels_install_inside_tinypaged_not_top_level(tmp_path):

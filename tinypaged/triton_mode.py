@@ -1,4 +1,9 @@
-"""The one place that decides how Triton kernels run.
+"""The one place that decides how Triton kernels run, and whether they can run at all.
+
+Triton has wheels for Linux only (x86_64 and aarch64; pyproject.toml installs it there through an environment
+marker). On macOS and Windows it is absent: ``AVAILABLE`` is False, ``tinypaged.kernels`` still offers the PyTorch
+references, and the Triton kernels (``attention_backend="triton"``) raise :class:`TritonUnavailable`, saying so.
+``AVAILABLE`` looks for the package without importing it (importing it here would defeat the next paragraph).
 
 Triton picks between compiling for a GPU and its NumPy interpreter when a
 ``@triton.jit`` function is *defined*, reading ``TRITON_INTERPRET`` at that moment.
@@ -15,9 +20,17 @@ of the scope of a kernel"). We cannot repair that after the fact; we warn instea
 script or notebook, ``import tinypaged`` before ``import triton``.
 """
 
+import importlib.util
 import os
 import sys
 import warnings
+
+
+def _triton_installed() -> bool:
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken entry in sys.modules / sys.path counts as absent
+        return False
 
 
 def _cuda_available() -> bool:
@@ -28,7 +41,25 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
+AVAILABLE: bool = _triton_installed()
+"""Whether Triton is installed (False on macOS and Windows, where it has no wheels)."""
+
+WHY_UNAVAILABLE = ("Triton is not installed: it has wheels for Linux only (x86_64 and aarch64), so on macOS and "
+                   "Windows the course runs without it")
+
+
+class TritonUnavailable(RuntimeError):
+    """A Triton kernel was asked for on a machine without Triton."""
+
+
+def require_triton(what: str) -> None:
+    """Raise :class:`TritonUnavailable` naming ``what`` (the knob or function) when Triton is absent."""
+    if not AVAILABLE:
+        raise TritonUnavailable(f"{what} needs Triton. {WHY_UNAVAILABLE}: use attention_backend=\"torch\" (the "
+                                "default), or run the Triton parts on Linux (or WSL on Windows).")
+
+
+if AVAILABLE and "TRITON_INTERPRET" not in os.environ and not _cuda_available():
     os.environ["TRITON_INTERPRET"] = "1"
     if "triton" in sys.modules:
         warnings.warn(
@@ -38,4 +69,4 @@ if "TRITON_INTERPRET" not in os.environ and not _cuda_available():
             RuntimeWarning, stacklevel=2,
         )
 
-INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED: bool = AVAILABLE and os.environ.get("TRITON_INTERPRET", "0") == "1"
