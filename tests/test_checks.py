@@ -77,18 +77,23 @@ def test_wrapped_and_aliased_references_are_caught():
 
 
 def _stage07_given_and_solution_cells() -> dict:
-    """The stage 7 solution's classes and the given plug-in cell, executed without its check cells (which
-    would load SmolLM2)."""
+    """The stage 7 solution's classes, executed without its check cells (which would load SmolLM2), and the
+    plug-ins built around them as the notebook's part (c) builds them."""
     import json
 
     from tinypaged.course import coursework
     from tinypaged.course.grading.notebook import source_of
+    from tinypaged.radix_cache import RadixKVManager
+    from tinypaged.radix_policy import CacheAwareOrder
 
     nb = json.loads((coursework.ROOT / "solutions" / "07_radix_attention.ipynb").read_text())
     ns: dict = {"__name__": "__submission__"}
     for cell in nb["cells"]:
-        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in ("setup", "RadixTree", "lpm_order", "plugin"):
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in ("setup", "RadixTree", "lpm_order"):
             exec(compile(source_of(cell), "<solutions/07 cell>", "exec"), ns)
+    tree = ns["RadixTree"]
+    ns["plugins"] = {"kv_cache_manager": RadixKVManager.factory(page_size=1, tree_factory=lambda page_size: tree()),
+                     "scheduling_policy": CacheAwareOrder(order=ns["lpm_order"])}
     return ns
 
 
@@ -116,3 +121,69 @@ def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
     for what, impl in bad.items():
         (outcome,) = checks.observe(serve, impl)["outcomes"]
         assert want[what] in outcome.get("error", ""), (what, outcome)
+
+
+def test_nested_differences_are_named_by_one_path():
+    """Regression (issue 32): a difference deep in nested lists read 'item 0: item 0: expected ...'."""
+    assert checks.differ([[1, [2, 3, 4]], 5], [[1, [2, 9, 4]], 5], 0) == "at [0][1]: expected [2, 3, 4], got [2, 9, 4]"
+    assert checks.differ({"freed": [1, 2], "evictable_size": 3}, {"freed": [1], "evictable_size": 3}, 0) == \
+        "at ['freed']: expected [1, 2], got [1]"
+    assert checks.differ([1, 2], [1, 3], 0) == "expected [1, 2], got [1, 3]"
+
+
+def _stage07_tree(**changes):
+    """The solution's RadixTree with some methods replaced (a learner's mistakes)."""
+    base = _stage07_given_and_solution_cells()["RadixTree"]
+    return type("RadixTree", (base,), {"__module__": "__submission__", **changes})
+
+
+def _stamp_top_half_only(self, key):
+    """match_prefix that stamps a split node's new upper half only (issue 32's learner): the remainder keeps its
+    old stamp."""
+    key, node, pages, now = tuple(key), self.root, [], self.tick()
+    while key and key[0] in node.children:
+        child = node.children[key[0]]
+        n = 0
+        while n < min(len(child.key), len(key)) and child.key[n] == key[n]:
+            n += 1
+        if n < len(child.key):
+            child = self.split_node(child, n)
+        child.last_access = now
+        pages += child.value
+        node, key = child, key[n:]
+    return pages, node
+
+
+def test_stage07_split_stamps_are_a_visible_case_and_hidden_failures_can_be_replayed():
+    """Regression (issue 32): the split-stamp ambiguity passed every visible case and failed only a hidden
+    workout, whose message named step 37 and nothing that led to it. Now a visible case catches it, and a failing
+    workout prints the shortest run of operations that still fails, as code to paste (never another case's
+    expected values)."""
+    learner = _stage07_tree(match_prefix=_stamp_top_half_only)
+    status, msg = checks.evaluate("radix_tree", learner)
+    assert status == checks.FAIL and msg.startswith("case 'a split stamps both halves'"), msg
+    assert "both halves" in msg, msg
+    status, msg = checks.evaluate("radix_tree", learner, hidden=HIDDEN_SEED)
+    assert status == checks.FAIL and "random workout" in msg and "replay it" in msg, msg
+    replay = msg[msg.index("t = RadixTree()"):]
+    # the replay is real code: pasted after the learner's class, its last line disagrees with the reference
+    from tinypaged.radix_cache import RadixCache
+
+    code = replay.split("; ")
+    *setup, last = code
+    ns_mine, ns_ref = {"RadixTree": learner}, {"RadixTree": lambda: RadixCache(1)}
+    for ns in (ns_mine, ns_ref):
+        exec("\n".join(setup), ns)
+    assert last.startswith("sorted(t.evict(") and eval(last, ns_mine) != eval(last, ns_ref)
+    assert len(code) < 30, "the run is shortened"
+
+
+def test_stage07_a_wrong_insert_return_gets_the_insert_hint():
+    """Regression (issue 32): a wrong insert return value was explained by the splitting hint."""
+    def insert(self, key, pages):
+        super(type(self), self).insert(key, pages)
+        return 0
+
+    status, msg = checks.evaluate("radix_tree", _stage07_tree(insert=insert))
+    hint = msg.split("(", 1)[1]
+    assert status == checks.FAIL and "insert returns how many tokens" in hint and "split" not in hint, msg

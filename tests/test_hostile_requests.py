@@ -53,7 +53,7 @@ def forced_tokens(monkeypatch):
     ids = tiny().get_tokenizer().encode(TEXT)
 
     def forced(logits, seqs, generator, eos):
-        return [ids[len(s.output_token_ids)] for s in seqs], [0.0] * len(seqs)
+        return [ids[len(s.output_token_ids)] for s in seqs], [0.0] * len(seqs), {}
 
     monkeypatch.setattr(llm_engine_module, "sample", forced)
     return ids

@@ -420,3 +420,142 @@ def test_a_split_ties_two_leaves_and_the_older_goes_first():
     leaves = [n for n in tree.nodes() if not n.children]
     assert len({n.last_access for n in leaves}) == 1, "the remainder [3] and the new leaf [4] share a stamp"
     assert tree.evict(1) == [12], "the remainder, created first, is evicted first"
+
+
+# ---------------------------------------------------------------- a tree with the assignment's interface only
+
+class _AssignmentNode:
+    """The node stage 7's assignment gives (``key``, ``value``, ``parent``, ``children``, ``lock_ref``,
+    ``last_access``, ``order``), with ``__slots__`` so nothing else can be read off it."""
+
+    __slots__ = ("order", "children", "parent", "key", "value", "lock_ref", "last_access")
+    created = iter(range(10**9))
+
+    def __init__(self, key=(), value=(), parent=None):
+        self.order, self.children, self.parent = next(_AssignmentNode.created), {}, parent
+        self.key, self.value, self.lock_ref, self.last_access = tuple(key), list(value), 0, 0
+
+
+class AssignmentTree:
+    """Exactly the methods and attributes stage 7's assignment asks a learner's ``RadixTree`` for (page size 1),
+    with ``__slots__``: no ``nodes``, ``total_size``, ``next_victim``, ``check_invariants`` or ``id``."""
+
+    __slots__ = ("root", "evictable_size", "protected_size", "clock")
+
+    def __init__(self):
+        self.root, self.evictable_size, self.protected_size, self.clock = _AssignmentNode(), 0, 0, 0
+        self.root.lock_ref = 1
+
+    def tick(self):
+        self.clock += 1
+        return self.clock
+
+    def inc_lock_ref(self, node):
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.evictable_size, self.protected_size = self.evictable_size - len(node.key), \
+                    self.protected_size + len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node):
+        while node is not self.root:
+            if node.lock_ref == 1:
+                self.evictable_size, self.protected_size = self.evictable_size + len(node.key), \
+                    self.protected_size - len(node.key)
+            node.lock_ref -= 1
+            node = node.parent
+
+    def split_node(self, node, n):
+        top = _AssignmentNode(node.key[:n], node.value[:n], node.parent)
+        top.lock_ref, top.last_access = node.lock_ref, node.last_access
+        node.parent.children[node.key[0]] = top
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], top
+        top.children[node.key[0]] = node
+        return top
+
+    def _walk(self, key, now):
+        node, done = self.root, 0
+        while done < len(key) and key[done] in node.children:
+            child = node.children[key[done]]
+            child.last_access = now
+            n = 0
+            while n < min(len(child.key), len(key) - done) and child.key[n] == key[done + n]:
+                n += 1
+            if n < len(child.key):
+                child = self.split_node(child, n)
+            node, done = child, done + n
+        return node, done
+
+    def match_prefix(self, key):
+        key = tuple(key)
+        node, _ = self._walk(key, self.tick())
+        pages, n = [], node
+        while n is not self.root:
+            pages[:0] = n.value
+            n = n.parent
+        return pages, node
+
+    def insert(self, key, pages):
+        key, now = tuple(key), self.tick()
+        node, done = self._walk(key, now)
+        if done < len(key):
+            leaf = _AssignmentNode(key[done:], pages[done:len(key)], node)
+            leaf.last_access = now
+            node.children[key[done]] = leaf
+            self.evictable_size += len(leaf.key)
+        return done
+
+    def evict(self, num_tokens):
+        freed = []
+        while len(freed) < num_tokens:
+            leaves, stack = [], list(self.root.children.values())
+            while stack:
+                n = stack.pop()
+                stack.extend(n.children.values())
+                if not n.children and n.lock_ref == 0:
+                    leaves.append(n)
+            if not leaves:
+                break
+            leaf = min(leaves, key=lambda n: (n.last_access, n.order))
+            freed += leaf.value
+            del leaf.parent.children[leaf.key[0]]
+            self.evictable_size -= len(leaf.key)
+        return freed
+
+
+def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy_and_server():
+    """Regression (issue 32): with a learner's tree, ``llm.get_metrics()`` raised AttributeError ('RadixTree' object
+    has no attribute 'nodes') and the server's GET /metrics answered 500; ``dfs-weight`` and the lab's drawing read
+    ``nodes()`` and node ids too. The manager, the policy and the lab now read a tree through the assignment's
+    interface alone."""
+    import httpx
+
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.lab.radix_view import describe
+    from tinypaged.server import ServerThread, create_app
+
+    prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}, {"prompt_token_ids": [1, 2, 3, 4, 9, 9]},
+               {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 10]}]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    want = [o.outputs[0].token_ids for o in LLM("tiny", block_size=4, kv_cache_tokens=160).generate(prompts, params)]
+    for order in ("lpm", "dfs-weight"):
+        llm = LLM("tiny", block_size=4, kv_cache_tokens=160, max_num_seqs=1, check_invariants=True,
+                  kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=lambda p: AssignmentTree()),
+                  scheduling_policy=CacheAwareOrder(order))
+        outs = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outs] == want, order
+        m = llm.get_metrics()
+        assert m["radix_nodes"] > 0 and m["radix_cached_tokens"] > 0 and m["prefix_cache_hits"] > 0, m
+        kv = llm.llm_engine.scheduler.kv
+        kv.check_invariants()
+        lines = describe(kv.tree)
+        assert len(lines) == m["radix_nodes"] and sum("evicted next" in line for line in lines) == 1, lines
+    srv = ServerThread(create_app(llm, "tiny", 8))
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2, 3, 4, 5], "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+        r = httpx.get(srv.url + "/metrics", timeout=60)
+        assert r.status_code == 200 and "vllm:prefix_cache_hits_total" in r.text, r.text[:500]
+    finally:
+        srv.close()

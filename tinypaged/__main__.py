@@ -2,7 +2,7 @@
 
     python -m tinypaged generate "Once upon a time" --max-tokens 32
     python -m tinypaged chat "What is a KV cache?"
-    python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts)
+    python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts); again if damaged
     python -m tinypaged serve --model smollm2-135m --port 8000   # an OpenAI-compatible server
 
 A bad argument or knob prints one ``python -m tinypaged generate: error: ...`` line and exits with 2
@@ -85,7 +85,7 @@ def run(args) -> int:
     if args.cmd == "prepare":
         from tinypaged.model_loader import smollm2_folder
 
-        print(f"SmolLM2 ready in {smollm2_folder()}")
+        print(f"SmolLM2 ready in {smollm2_folder(repair=True)}")
         return 0
     from tinypaged import LLM, SamplingParams
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tinypaged.interfaces import InvariantError
+
 
 def slot_mapping(block_table, positions, block_size: int) -> list[int]:
     """Where each token's K/V goes: ``block_table[p // block_size] * block_size + p % block_size``.
@@ -186,14 +188,25 @@ class ForwardContext:
         out = torch.empty_like(q)
         if self.decode is not None:
             rows = self.decode.rows
-            out[rows] = self.backend.decode(q[rows], K, V, self.decode, scale)
+            out[rows] = self._checked("decode", self.backend.decode(q[rows], K, V, self.decode, scale), q[rows])
         prefill = getattr(self.backend, "prefill", None)  # a backend may bring its own (the fast path's)
         for start, end, slots, first_pos in self.prefills:
             if prefill is not None:
-                out[start:end] = prefill(q[start:end], K[slots], V[slots], first_pos, scale)
+                out[start:end] = self._checked("prefill", prefill(q[start:end], K[slots], V[slots], first_pos, scale),
+                                               q[start:end])
                 continue
             n = end - start
             positions = torch.arange(first_pos, first_pos + n, device=q.device)[None]
             lens = torch.tensor([slots.shape[0]], device=q.device)
             out[start:end] = attend_gathered(q[None, start:end], K[slots][None], V[slots][None], positions, lens, scale)[0]
         return out
+
+    def _checked(self, what: str, result, query: torch.Tensor) -> torch.Tensor:
+        """A backend's output must be one row per query, shaped like the query: anything else would be
+        broadcast into the batch and generate wrong text without an error."""
+        if not isinstance(result, torch.Tensor) or result.shape != query.shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise InvariantError(f"attention_backend {getattr(self.backend, 'name', type(self.backend).__name__)!r}: "
+                                 f"{what} returned {got}, but the output must have the query's shape "
+                                 f"{tuple(query.shape)} ([tokens, heads, head_dim])")
+        return result

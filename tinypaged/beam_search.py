@@ -82,9 +82,14 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
     ``stats`` (a dict, optional) receives block accounting per step: blocks used with sharing
     (the pool) and without (each beam owning all its blocks), plus copy-on-write copies.
     ``on_step(list of each prompt's live beams)`` is called after every step's allocation.
-    Every block is freed before returning, also on error.
+    Every block is freed before returning, also on error. Every prompt is checked before any is
+    queued, so a bad one leaves the engine as it was.
     """
     kv, sched = engine.kv, engine.scheduler
+    if not isinstance(params, BeamSearchParams):
+        raise TypeError(f"beam_search takes a BeamSearchParams (beam_width, max_tokens, ignore_eos, "
+                        f"length_penalty), as vLLM's LLM.beam_search does; got {type(params).__name__}")
+    params = params.clone()  # checked again: a field may have been changed since construction
     if not hasattr(kv, "fork"):
         raise NotImplementedError("beam search shares KV blocks between beams: use kv_cache='paged'")
     if engine.has_unfinished_requests():
@@ -94,9 +99,9 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
         raise ValueError(f"{len(prompts)} prompts x beam_width {params.beam_width} beams exceed max_num_seqs="
                          f"{engine.config.max_num_seqs}")
     sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+    seqs = [engine.make_request(f"beam-{i}", prompt, sp).seqs[0] for i, prompt in enumerate(prompts)]
     states = []
-    for i, prompt in enumerate(prompts):
-        seq = engine.make_request(f"beam-{i}", prompt, sp).seqs[0]
+    for seq in seqs:  # all valid: now queue them
         sched.add(seq)  # scheduled like any request (prefix-cache hits included); beam 0
         states.append(_PromptState(seq, beams=[seq], scores=torch.zeros(1, dtype=torch.float32)))
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)

@@ -125,6 +125,10 @@ class EngineConfig:
                 f"or an AttentionBackend object")
         if self.attention_backend == "triton" and self.kv_cache != "paged":
             bad("attention_backend='triton' reads block tables, so it needs kv_cache='paged'")
+        from tinypaged import triton_mode
+
+        if self.attention_backend == "triton" and not triton_mode.AVAILABLE:
+            bad(f"attention_backend='triton': {triton_mode.WHY_UNAVAILABLE}; use attention_backend='torch'")
         if self.enable_prefix_caching and self.kv_cache != "paged":
             bad("enable_prefix_caching shares blocks, so it needs kv_cache='paged'")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
@@ -174,6 +178,25 @@ class EngineConfig:
             raise TypeError(f"kv_cache_manager must be a factory called with one KVCacheSpec (a function or a "
                             f"class whose __init__ takes the spec, e.g. BlockManager.from_spec) or None, "
                             f"got {factory!r}")
+        self._verify_backend_signature()
+
+    def _verify_backend_signature(self) -> None:
+        """A decode function, or a backend object's methods, must take what the engine passes them."""
+        backend = self.attention_backend
+        if isinstance(backend, (str, type)):
+            return  # a name (checked in verify), or a class built by the engine (its methods checked then)
+        if hasattr(backend, "decode") or hasattr(backend, "write"):
+            calls = {"decode": "decode(query, key_cache, value_cache, batch, scale)",
+                     "write": "write(key_cache, value_cache, key, value, slot_mapping)"}
+            for name, call in calls.items():
+                method = getattr(backend, name, None)
+                if callable(method) and not _accepts_arguments(method, 5):
+                    raise TypeError(f"attention_backend {type(backend).__name__}.{name} cannot be called as "
+                                    f"{call} (tinypaged.interfaces.AttentionBackend)")
+        elif not callable(backend) or not _accepts_arguments(backend, 6):
+            raise TypeError(f"attention_backend={backend!r} must be 'torch', 'triton', an AttentionBackend object, "
+                            f"or a paged decode function called as fn(query, k_cache, v_cache, block_tables, "
+                            f"context_lens, scale) (paged_attention_decode's signature)")
 
     def _fold_deprecated_scheduler(self) -> None:
         """``scheduler=`` (deprecated) becomes ``scheduling_policy``; both given and different is an error."""

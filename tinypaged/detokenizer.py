@@ -5,8 +5,11 @@ The ``Detokenizer`` is the only writer of ``Sequence.text`` and ``Sequence.stop_
 * A stop string is searched only in text produced after ``min_tokens`` was reached, plus a look-back
   of ``len(stop) - 1`` characters so a stop string straddling two tokens is found (vLLM's rule).
 * Byte-level tokenizers (SmolLM2's) spend several tokens on one emoji or CJK character; until its last
-  byte arrives the decoded text ends in U+FFFD. That tail is not settled: the search start never
-  moves past it, and a stream never sends it, so a stop string made of such characters is found.
+  byte arrives the decoded text ends in U+FFFD. That tail is not settled: stop strings are searched
+  only in settled text (so ``stop="\ufffd"`` never fires on a character still arriving, as vLLM holds
+  such a tail back too, yet still finds a real U+FFFD that later tokens left in place), the search
+  start never moves past it, and a stream never sends it, so a stop string made of such characters
+  is found once they are complete.
 * Once a sequence has finished, ``seq.text`` is final: cut before the stop string that fired, or
   the text of all its output tokens.
 """
@@ -35,17 +38,18 @@ class Detokenizer:
         if not p.stop_strings:
             return None
         text = self.decode(seq.output_token_ids)
+        settled = settled_length(text)
         if len(seq.output_token_ids) >= p.min_tokens:  # text of the tokens before min_tokens is never searched
             hits = []
             for s in p.stop_strings:
-                at = text.find(s, max(0, seq.stop_search_from - len(s) + 1))
+                at = text.find(s, max(0, seq.stop_search_from - len(s) + 1), settled)
                 if at >= 0:
                     hits.append((at, s))
             if hits:
                 at, s = min(hits)
                 seq.text = text[:at]
                 return s
-        seq.stop_search_from = settled_length(text)
+        seq.stop_search_from = settled
         return None
 
     def finish(self, seq) -> None:

@@ -67,6 +67,9 @@ class Submission:
 
 class EngineLoop:
     def __init__(self, engine, text_of, max_queued: int = 256, observer=None):
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+            # a negative bound would refuse every request with a 503 (serve's --max-queued-requests)
+            raise ValueError(f"max_queued (--max-queued-requests) must be an integer >= 0, got {max_queued!r}")
         self.engine = engine
         self.max_queued = max_queued
         # observer.on_step(result), .on_token_gap(seconds), .on_finish(submission, output): metrics,
@@ -221,7 +224,8 @@ class EngineLoop:
                 self.observer.on_finish(sub, out)
             last = None
             for c in out.outputs:
-                last = Event(out.request_id, c.index, "", [], True, c.finish_reason, c.stop_reason)
+                # a request the engine failed alone (out.error) ends its own stream with an error only
+                last = Event(out.request_id, c.index, "", [], True, c.finish_reason, c.stop_reason, out.error)
                 if c is not out.outputs[-1]:
                     sub.deliver(last)
             self._end(out.request_id, last, abort=False)

@@ -2,8 +2,10 @@
 
 ``InputProcessor.make_request`` turns one prompt and its SamplingParams into a ``Request`` and its
 sequences, or raises naming the request and the problem: the three prompt forms, text that is not
-valid Unicode, token ids and stop token ids outside the vocabulary, the fork policy for n > 1, and
-requests that could never fit. ``check_batch`` does the same for the shape of one ``generate`` call
+valid Unicode, token ids and stop token ids outside the vocabulary, ``min_tokens`` with every token
+banned, the fork policy for n > 1, and requests that could never fit. The request keeps a checked
+copy of its SamplingParams (a field changed after construction is checked here too).
+``check_batch`` does the same for the shape of one ``generate`` call
 (prompts, a params list, arrival times). Nothing here touches a queue, so a bad request anywhere in a
 call leaves the engine exactly as it was.
 """
@@ -29,6 +31,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None  # why the engine failed this request (finish_reason "error"), else None
 
     @property
     def finished(self) -> bool:
@@ -44,12 +47,13 @@ def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
 
 
 class InputProcessor:
-    def __init__(self, config, vocab_size: int, kv, encode, clock):
+    def __init__(self, config, vocab_size: int, kv, encode, clock, eos_token_ids=lambda: ()):
         self.config = config
         self.vocab_size = vocab_size
         self.kv = kv
         self.encode = encode  # text -> token ids (the tokenizer loads on the first text prompt)
         self.clock = clock
+        self.eos_token_ids = eos_token_ids  # () -> the model's EOS ids (they grow when the tokenizer loads)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                      arrival_time: float | None = None) -> Request:
@@ -57,6 +61,10 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Request {request_id}: sampling_params must be a SamplingParams, got {type(params).__name__}")
+        try:  # checked again: a field may have been changed since construction; the request keeps this copy
+            params = params.clone()
+        except ValueError as e:
+            raise ValueError(f"Request {request_id}: {e}") from None
         text, ids, salt = self._prompt(request_id, prompt)
         c, top = self.config, self.vocab_size - 1
         if not ids:
@@ -70,6 +78,7 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if not 0 <= t <= top]
         if bad:
             raise ValueError(f"Request {request_id}: stop_token_ids {bad[:5]} are outside the vocabulary (0..{top})")
+        self._check_min_tokens(request_id, params)
         fork = params.n > 1 and c.parallel_sampling == "fork"
         if fork and not hasattr(self.kv, "fork"):
             raise NotImplementedError(f"Request {request_id}: n={params.n} with parallel_sampling='fork' shares "
@@ -87,6 +96,17 @@ class InputProcessor:
         req.seqs[0].pending_forks = params.n - 1 if fork else 0  # construction: no one holds it yet
         check_fits(self.kv, req.seqs[0])
         return req
+
+    def _check_min_tokens(self, request_id: str, params: SamplingParams) -> None:
+        """Until ``min_tokens``, the stop token ids and EOS cannot be sampled: some token must remain."""
+        if params.min_tokens == 0:
+            return
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids()))
+        if sum(0 <= t < self.vocab_size for t in banned) == self.vocab_size:
+            eos = "" if params.ignore_eos else " and EOS"
+            raise ValueError(f"Request {request_id}: stop_token_ids{eos} cover the whole vocabulary "
+                             f"({self.vocab_size} tokens), so no token could be sampled before min_tokens="
+                             f"{params.min_tokens}: leave some tokens out of stop_token_ids or set min_tokens=0")
 
     def _prompt(self, request_id: str, prompt) -> tuple[str | None, list[int], object]:
         """(text, token ids, cache salt) of a string, {"prompt_token_ids": [...]} or {"prompt": "..."}."""

@@ -11,7 +11,7 @@ from tinypaged.config import EngineConfig
 from tinypaged.input_processor import check_batch
 from tinypaged.llm_engine import LLMEngine
 from tinypaged.outputs import RequestOutput, StreamOutput
-from tinypaged.sampling_params import SamplingParams
+from tinypaged.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -60,22 +60,29 @@ class LLM:
         engine.enqueue(requests)
         return requests
 
-    def _steps(self, pending: set[str]):
-        """Step the engine until every request in ``pending`` has finished; yields each StepResult.
+    def _steps(self, requests: list):
+        """Step the engine until every one of ``requests`` has finished; yields each StepResult.
 
-        If the caller stops early (an exception in a callback, KeyboardInterrupt in a notebook, a
-        stream closed before the end), the requests still pending are aborted: their blocks are
-        freed and the next call computes only its own tokens.
+        A request aborted by hand since the previous step (``llm_engine.abort_request`` from an
+        ``on_step`` callback or between stream pieces) is reported in the next step's ``finished``,
+        with ``finish_reason="abort"`` and the tokens it had. If the caller stops early (an exception
+        in a callback, KeyboardInterrupt in a notebook, a stream closed before the end), the requests
+        still pending are aborted: their blocks are freed and the next call computes only its own tokens.
         """
         engine = self.llm_engine
+        pending = {req.request_id: req for req in requests}
         try:
             while pending:
                 step = engine.step()
-                pending.difference_update(out.request_id for out in step.finished)
+                for out in step.finished:
+                    pending.pop(out.request_id, None)
+                aborted = [rid for rid in pending if rid not in engine.requests]  # by hand, since the last step
+                step.finished += [engine.output_processor.request_output(pending.pop(rid)) for rid in aborted]
                 yield step
                 if not step.scheduled:
-                    if not engine.has_unfinished_requests() and pending:
-                        raise RuntimeError(f"requests {sorted(pending)} left every queue unfinished (a plug-in "
+                    stuck = sorted(rid for rid in pending if rid in engine.requests)
+                    if stuck and not engine.has_unfinished_requests():
+                        raise RuntimeError(f"requests {stuck} left every queue unfinished (a plug-in "
                                            f"dropped them?); the engine would wait forever")
                     _wait_for_next_arrival(engine)
         finally:
@@ -95,7 +102,7 @@ class LLM:
             requests = self._submit(prompts, sampling_params, arrival_times)
             order = {req.request_id: i for i, req in enumerate(requests)}
             results: list[RequestOutput | None] = [None] * len(requests)
-            with closing(self._steps(set(order))) as steps:  # closing aborts what is left on any exception
+            with closing(self._steps(requests)) as steps:  # closing aborts what is left on any exception
                 for step in steps:
                     if on_step is not None:
                         on_step(step)
@@ -112,35 +119,77 @@ class LLM:
         with self._generating():
             self.get_tokenizer()  # streams are text: a model without a tokenizer fails before anything is queued
             requests = self._submit(prompts, sampling_params, arrival_times)
-            with closing(self._steps({req.request_id for req in requests})) as steps:
-                yield from self._stream_pieces(steps, self.llm_engine.detokenizer)
+            with closing(self._steps(requests)) as steps:
+                yield from self._stream_pieces(steps, self.llm_engine.detokenizer, requests)
 
     @staticmethod
-    def _stream_pieces(steps, detokenizer) -> Iterator[StreamOutput]:
+    def _stream_pieces(steps, detokenizer, requests) -> Iterator[StreamOutput]:
+        """Each sampled sequence's new text; a sequence that ended without a token (aborted, failed)
+        gets one last piece with the rest of its text, so every sequence's stream ends with a finished piece."""
+        seqs_of = {req.request_id: req.seqs for req in requests}
         sent: dict[int, int] = {}  # seq_id -> characters already streamed
+        closed: set[int] = set()  # seq_ids whose finished piece was sent
         for step in steps:
             for seq in step.sampled:
                 text, settled = detokenizer.stream_text(seq)
                 start = sent.get(seq.seq_id, 0)
                 end = max(start, settled)
                 sent[seq.seq_id] = end
-                reason = None if seq.finish_reason is None else str(seq.finish_reason)
+                if seq.is_finished:
+                    closed.add(seq.seq_id)
                 yield StreamOutput(seq.request_id, seq.index, text[start:end], [step.new_tokens[seq.seq_id]],
-                                   seq.is_finished, reason, seq.stop_reason)
+                                   seq.is_finished, _reason(seq), seq.stop_reason)
+            for out in step.finished:
+                for seq in seqs_of.get(out.request_id, ()):
+                    if seq.seq_id not in closed:
+                        closed.add(seq.seq_id)
+                        yield StreamOutput(seq.request_id, seq.index, seq.text[sent.get(seq.seq_id, 0):], [],
+                                           True, _reason(seq), seq.stop_reason)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them.
+        Every message is checked first: a bad one raises naming it (``messages[i]`` or ``messages[c][i]``)."""
+        conversations = _conversations(messages)
         tok = self.get_tokenizer()
         prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=False) for c in conversations]
         prompts = [{"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
         return self.generate(prompts, sampling_params)
 
-    def beam_search(self, prompts, params):
+    def beam_search(self, prompts, params: BeamSearchParams):
+        """Beam search over ``prompts`` with a ``BeamSearchParams`` (vLLM's ``LLM.beam_search``)."""
         from tinypaged.beam_search import beam_search
 
         with self._generating():
             return beam_search(self.llm_engine, prompts, params)
+
+
+def _conversations(messages) -> list[list[dict]]:
+    """``chat``'s argument as a list of conversations, each message checked: a dict whose "role" and
+    "content" are strings (the chat template reads both)."""
+    usage = ('a conversation is a list of {"role": ..., "content": ...} dicts; chat takes one '
+             'conversation or a list of them')
+    if not isinstance(messages, (list, tuple)):
+        raise TypeError(f"messages must be a list: {usage}; got {type(messages).__name__}")
+    single = bool(messages) and isinstance(messages[0], dict)
+    conversations = [messages] if single else list(messages)
+    for c, conversation in enumerate(conversations):
+        where = "messages" if single else f"messages[{c}]"
+        if not isinstance(conversation, (list, tuple)):
+            raise TypeError(f"{where} must be a list of messages: {usage}; got {type(conversation).__name__}")
+        for i, message in enumerate(conversation):
+            if not isinstance(message, dict):
+                raise TypeError(f"{where}[{i}] must be a dict with 'role' and 'content', "
+                                f"got {type(message).__name__}")
+            for key in ("role", "content"):
+                if key not in message:
+                    raise ValueError(f"{where}[{i}] has no {key!r}: {usage}")
+                if not isinstance(message[key], str):
+                    raise TypeError(f"{where}[{i}][{key!r}] must be a string, got {type(message[key]).__name__}")
+    return conversations
+
+
+def _reason(seq) -> str | None:
+    return None if seq.finish_reason is None else str(seq.finish_reason)
 
 
 def _wait_for_next_arrival(engine: LLMEngine) -> None:

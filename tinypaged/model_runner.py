@@ -8,9 +8,10 @@ sample. ``check_slots`` enforces the KV manager's contract before anything is wr
 
 from __future__ import annotations
 
-import torch
-
 import logging
+import os
+
+import torch
 
 from tinypaged.attention import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.block_manager import blocks_needed
@@ -147,6 +148,28 @@ class ModelRunner:
             return self.profile_free_gpu_bytes(c, mem_at_start) // self.bytes_per_token
         return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
 
+    def sizing_knob(self, c) -> tuple[str, str]:
+        """(the knob that sized the KV cache as ``name=value``, its name), for error messages."""
+        for knob in ("kv_cache_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
+            if getattr(c, knob) is not None:
+                return f"{knob}={getattr(c, knob)}", knob
+        if self.device.type == "cuda":
+            return f"gpu_memory_utilization={c.gpu_memory_utilization}", "gpu_memory_utilization"
+        return f"the CPU default of {CPU_DEFAULT_KV_BYTES} bytes", "kv_cache_memory_bytes"
+
+    def check_memory(self, c, kv_bytes: int, swap_bytes: int) -> None:
+        """Refuse, before allocating, a KV cache (or swap space) larger than the memory there is."""
+        knob, name = self.sizing_knob(c)
+        host = available_host_bytes()
+        device_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
+        if device_free is not None and kv_bytes > device_free:
+            where = "on the GPU" if self.device.type == "cuda" else "in this machine's memory (MemAvailable)"
+            raise ValueError(f"{knob} asks for a KV cache of {_gib(kv_bytes)}, but only {_gib(device_free)} is "
+                             f"free {where}: lower {name}")
+        if swap_bytes and host is not None and swap_bytes + (kv_bytes if self.device.type == "cpu" else 0) > host:
+            raise ValueError(f"swap_space={c.swap_space} GiB asks for {_gib(swap_bytes)} of CPU memory beside the KV "
+                             f"cache, but only {_gib(host)} is available (MemAvailable): lower swap_space")
+
     def profile_free_gpu_bytes(self, c, mem_at_start) -> int:
         """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
         activation peak of a max-size forward + memory torch does not track)."""
@@ -178,11 +201,15 @@ class ModelRunner:
         block_size = c.block_size if paged else 1
         num_blocks = tokens // block_size
         if num_blocks < 1:
-            raise ValueError(f"The KV cache holds {tokens} tokens, less than one block of {c.block_size}; "
-                             f"raise kv_cache_memory_bytes (or gpu_memory_utilization) or lower block_size")
+            knob, name = self.sizing_knob(c)
+            raise ValueError(f"{knob} gives a KV cache of {tokens} tokens, less than one block of block_size="
+                             f"{c.block_size} tokens ({self.bytes_per_token * c.block_size} bytes): raise {name} "
+                             f"or lower block_size")
         cpu_blocks = 0
         if c.preemption_mode == "swap":
             cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
+        self.check_memory(c, num_blocks * block_size * self.bytes_per_token,
+                          cpu_blocks * c.block_size * self.bytes_per_token)
         tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
                                  self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
         spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
@@ -232,6 +259,25 @@ class ModelRunner:
             del scratch
             torch.cuda.empty_cache()
         return peak
+
+
+def available_host_bytes() -> int | None:
+    """Memory the machine can still give this process (Linux's MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
 
 
 def _same_step_sharing(writes, cached, scheduled, readers) -> bool:

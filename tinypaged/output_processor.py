@@ -44,4 +44,4 @@ class OutputProcessor:
                                  max(s.times.finished or 0.0 for s in req.seqs),
                                  sum(len(s.output_token_ids) for s in req.seqs), s0.num_cached_tokens,
                                  sum(s.num_preemptions for s in req.seqs))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, metrics, req.error)

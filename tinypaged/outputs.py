@@ -1,7 +1,7 @@
 """What generate() and step() return (vLLM's RequestOutput / CompletionOutput shapes).
 
-``finish_reason`` here is vLLM's plain string ("stop", "length", "abort"): ``str()`` of the
-sequence's ``FinishReason``. ``stop_reason`` is vLLM's: the stop token id, the stop string, or None.
+``finish_reason`` here is vLLM's plain string ("stop", "length", "abort", "error"): ``str()`` of
+the sequence's ``FinishReason``. ``stop_reason`` is vLLM's: the stop token id, the stop string, or None.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    finish_reason: str | None  # "stop", "length" or "abort"
+    finish_reason: str | None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None
 
 
@@ -54,6 +54,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    error: str | None = None  # course: why the engine failed this request (finish_reason "error")
 
 
 @dataclass

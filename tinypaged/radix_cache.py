@@ -22,6 +22,11 @@ Invariants (``check_invariants``, run by the property tests): every node's key l
 page is held by at most one node; ``evictable_size`` + ``protected_size`` is the tokens in the tree, split by
 whether ``lock_ref`` is 0; a locked node's parent is locked too.
 
+``RadixKVManager`` takes any tree with the interface of stage 7's assignment (``tree_factory``): ``root`` (nodes with
+``key``, ``value``, ``parent``, ``children``, ``lock_ref``, ``last_access``), ``evictable_size``, ``protected_size``,
+``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``, ``dec_lock_ref``. It reads the tree through those
+alone (``tree_nodes`` walks it from ``root``), so a learner's tree drives the engine, its metrics and the server.
+
 Labels: the tree, LRU leaf eviction, lock references and output KV kept after a request are the SGLang
 paper's and SGLang today's; publishing a prompt's pages at allocation (so requests in the same step share
 them, as vLLM's hashed blocks do) is course-only: SGLang inserts after the chunk has run.
@@ -32,6 +37,16 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+
+
+def tree_nodes(tree):
+    """Every node of ``tree`` but the root, parents before children, read through ``root`` and ``children`` only
+    (any tree with the assignment's interface, not just ``RadixCache``)."""
+    stack = list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
 
 
 class TreeNode:
@@ -167,11 +182,7 @@ class RadixCache:
     # -- reading the tree ----------------------------------------------------------------------
     def nodes(self):
         """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return tree_nodes(self)
 
     @property
     def total_size(self) -> int:
@@ -332,8 +343,8 @@ class RadixKVManager:
         t = self.tree
         return {
             "kv_num_pages": self.num_pages, "kv_page_size": self.page_size, "kv_pages_free": len(self.free_pages),
-            "kv_cache_usage": self.usage, "radix_nodes": sum(1 for _ in t.nodes()),
-            "radix_cached_tokens": t.total_size, "radix_evictable_tokens": t.evictable_size,
+            "kv_cache_usage": self.usage, "radix_nodes": sum(1 for _ in tree_nodes(t)),
+            "radix_cached_tokens": t.evictable_size + t.protected_size, "radix_evictable_tokens": t.evictable_size,
             "radix_protected_tokens": t.protected_size,
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
@@ -341,12 +352,14 @@ class RadixKVManager:
         }
 
     def check_invariants(self) -> None:
-        """Every page is in exactly one place: free, one tree node, or owned by one sequence."""
-        self.tree.check_invariants()
-        places = list(self.free_pages) + [pg for n in self.tree.nodes() for pg in n.value]
+        """Every page is in exactly one place: free, one tree node, or owned by one sequence (and the tree's own
+        invariants, if it has a ``check_invariants``)."""
+        if hasattr(self.tree, "check_invariants"):
+            self.tree.check_invariants()
+        places = list(self.free_pages) + [pg for n in tree_nodes(self.tree) for pg in n.value]
         places += [pg for own in self.owned.values() for pg in own]
         assert sorted(places) == list(range(self.num_pages)), "a page is lost or in two places"
-        tree_pages = {pg for n in self.tree.nodes() for pg in n.value}
+        tree_pages = {pg for n in tree_nodes(self.tree) for pg in n.value}
         for sid, table in self.tables.items():
             locked_path, node = set(), self.locked[sid]
             while node is not self.tree.root:

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections import deque
 
+from tinypaged.radix_cache import tree_nodes
+
 ORDERS = ("lpm", "dfs-weight", "fcfs")
 
 
@@ -89,22 +91,26 @@ def longest_prefix_first(seqs: list, cached_tokens) -> list:
 
 
 def dfs_weight_order(kv, seqs: list) -> list:
-    """Depth-first over the radix tree from the root, children with more waiting requests first;
-    each node's own requests come before its children's (they share the most with what runs now)."""
+    """Depth-first over the radix tree from the root, children with more waiting requests first (equal ones: the
+    smaller first token first); each node's own requests come before its children's (they share the most with
+    what runs now). The tree is read through ``root``, ``children`` and ``match_prefix`` only, so any tree with
+    the assignment's interface works."""
     tree = getattr(kv, "tree", None)
     if tree is None or not hasattr(tree, "match_prefix"):
         raise TypeError(f"order='dfs-weight' walks a radix tree: it needs a RadixKVManager, got {type(kv).__name__}")
-    at: dict[int, list] = {}
+    at: dict[int, list] = {}  # id(node) -> the waiting requests whose match ends there
     for s in seqs:
         _, node = tree.match_prefix(s.token_ids[: len(s) - 1])
-        at.setdefault(node.id, []).append(s)
-    weight = {n.id: len(at.get(n.id, ())) for n in [tree.root, *tree.nodes()]}
-    for node in reversed(list(tree.nodes())):  # children before parents: subtree sums
-        weight[node.parent.id] += weight[node.id]
+        at.setdefault(id(node), []).append(s)
+    nodes = list(tree_nodes(tree))
+    weight = {id(n): len(at.get(id(n), ())) for n in [tree.root, *nodes]}
+    for node in reversed(nodes):  # children before parents: subtree sums
+        weight[id(node.parent)] += weight[id(node)]
     order, stack = [], [tree.root]
     while stack:
         node = stack.pop()
-        order += at.get(node.id, [])
-        kids = sorted((c for c in node.children.values() if weight[c.id]), key=lambda c: (weight[c.id], -c.id))
+        order += at.get(id(node), [])
+        kids = [c for c in node.children.values() if weight[id(c)]]
+        kids.sort(key=lambda c: (weight[id(c)], [-x for x in c.key[:1]]))
         stack.extend(kids)  # the heaviest child is popped first
     return order

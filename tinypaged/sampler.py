@@ -4,6 +4,8 @@ Detokenizer (``tinypaged.detokenizer``) owns them.
 
 * Until a sequence has ``min_tokens`` outputs, EOS and its ``stop_token_ids`` get -inf logits, so they
   cannot be chosen (vLLM's min-tokens logits processor), and no token stop check fires.
+* Each row is sampled on its own: a row that cannot be sampled (NaN logits, every logit -inf, a
+  distribution torch refuses) fails alone, with the reason, and the other rows get their tokens.
 """
 
 from __future__ import annotations
@@ -25,31 +27,47 @@ def suppress_early_stops(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Ten
 
 
 def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
-           eos_token_ids=()) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` [N, vocab]; returns token ids and their log-probabilities."""
+           eos_token_ids=()) -> tuple[list[int | None], list[float | None], dict[int, str]]:
+    """One token per row of ``logits`` [N, vocab]: ``(token ids, their log-probabilities, failures)``.
+    ``failures`` maps the index of each row that could not be sampled to the reason; such a row's
+    token and log-probability are None, and the other rows are unaffected."""
     logits = suppress_early_stops(logits.float().cpu(), seqs, eos_token_ids)
     logprobs = torch.log_softmax(logits, dim=-1)
-    tokens = []
-    for row, seq in zip(logits, seqs):
-        p = seq.params
-        if p.greedy:
-            tokens.append(int(row.argmax()))
-            continue
-        row = row / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # drop a token once the mass before it already reaches top_p (the first always stays)
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-        probs = torch.softmax(row, dim=-1)
-        gen = seq.generator or engine_generator
-        tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
-    chosen = [float(logprobs[i, t]) for i, t in enumerate(tokens)]
-    return tokens, chosen
+    has_nan = torch.isnan(logits).any(dim=-1).tolist()
+    all_banned = torch.isneginf(logits).all(dim=-1).tolist()
+    tokens, chosen, failures = [], [], {}
+    for i, (row, seq) in enumerate(zip(logits, seqs)):
+        if has_nan[i] or all_banned[i]:
+            failures[i] = ("the model's logits hold NaN" if has_nan[i] else
+                           "every token's logit is -inf, so no token can be sampled")
+        else:
+            try:
+                tokens.append(_sample_row(row, seq.params, seq.generator or engine_generator))
+                chosen.append(float(logprobs[i, tokens[-1]]))
+                continue
+            except RuntimeError as e:  # e.g. torch.multinomial refusing a distribution
+                failures[i] = f"sampling failed: {e}"
+        tokens.append(None)
+        chosen.append(None)
+    return tokens, chosen, failures
+
+
+def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
+    """One token from one row of logits under ``p`` (greedy, temperature, top-k, top-p)."""
+    if p.greedy:
+        return int(row.argmax())
+    row = row / p.temperature
+    if p.top_k > 0:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it already reaches top_p (the first always stays)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def check_stop(seq, eos_token_ids, max_model_len: int) -> tuple[FinishReason, int | None] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -33,7 +34,9 @@ class SamplingParams:
     blocks (``parallel_sampling="fork"``, the paper's copy-on-write) or run as n requests that share
     the prompt through the prefix cache (``"fanout"``, vLLM v1). ``seed`` makes one request reproducible
     whatever else is in the batch; sample ``i`` of ``n`` uses seed ``seed + i``, so all of them must be in
-    torch's seed range. Every field is checked here, so a bad request is refused before any work.
+    torch's seed range. Every field is checked here, so a bad request is refused before any work, and
+    checked again when a request is made from it (``clone``): a field changed after construction is
+    caught then, before any work, and the request keeps its own copy.
     """
 
     n: int = 1
@@ -95,6 +98,11 @@ class SamplingParams:
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
 
+    def clone(self) -> "SamplingParams":
+        """A checked copy (vLLM's ``clone``): every field is normalized and checked again, so a field
+        set after construction (``sp.n = 0``, ``sp.stop = "x"``) is refused or taken into account here."""
+        return dataclasses.replace(self)
+
     @property
     def greedy(self) -> bool:
         """Pick the most likely token: temperature 0, or one too small to divide by (vLLM's rule)."""
@@ -126,3 +134,7 @@ class BeamSearchParams:
             problems.append(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if problems:
             raise ValueError("Invalid BeamSearchParams: " + "; ".join(problems))
+
+    def clone(self) -> "BeamSearchParams":
+        """A checked copy (a field set after construction is checked here, before any work)."""
+        return dataclasses.replace(self)

@@ -22,7 +22,7 @@ from tinypaged.interfaces import InvariantError
 from tinypaged.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
                                 pick_victim, schedule_step)
 from tinypaged.sched_output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
-from tinypaged.sequence import Sequence, SequenceStatus
+from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger("tinypaged")
 
@@ -384,8 +384,9 @@ class Scheduler:
             self.running.remove(seq)
         self.kv.free(seq)
 
-    def abort(self, seqs) -> None:
-        """Drop sequences wherever they are (an interrupted call): queues left, blocks freed."""
+    def abort(self, seqs, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Drop sequences wherever they are (an interrupted call, a failed request): queues left,
+        blocks freed; the unfinished ones finish with ``reason``."""
         ids = {s.seq_id for s in seqs}
         self.waiting = deque(s for s in self.waiting if s.seq_id not in ids)
         self.running = [s for s in self.running if s.seq_id not in ids]
@@ -393,7 +394,7 @@ class Scheduler:
         for s in seqs:
             self.kv.free(s)
             if not s.is_finished:
-                s.finish_reason, s.status = "abort", SequenceStatus.FINISHED
+                s.finish_reason, s.status = reason, SequenceStatus.FINISHED
 
 
 def check_schedule(out: SchedulerOutput, sched: Scheduler) -> None:

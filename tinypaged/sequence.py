@@ -23,11 +23,14 @@ class FinishReason(enum.StrEnum):
 
     STOP: EOS, a stop token id or a stop string (``stop_reason`` says which: the token id, the string,
     or None for EOS). LENGTH: ``max_tokens`` or ``max_model_len``. ABORT: the request was aborted.
+    ERROR: the engine could not go on with this request alone (its sampling failed, say); the
+    others in its batch carry on (vLLM v1's ``FinishReason.ERROR``).
     """
 
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"
 
 
 @dataclass

@@ -6,6 +6,11 @@ prompt)`` event looks the prompt up and allocates it (as the engine does at admi
 outputs)`` event decodes the outputs one by one and frees the request. After each event it takes a
 ``Snapshot``: the tree's nodes (tokens, lock count, which leaf LRU eviction takes next) and every block's state.
 ``tree_lines`` prints a snapshot as text (stable, for notebooks); ``animate`` draws them side by side.
+
+``serve_with_tree`` serves SmolLM2 with a given tree class (a learner's) inside ``RadixKVManager`` and an order inside
+``CacheAwareOrder``; ``show_at_work`` prints two such runs (the order, then arrival order) side by side: what each
+request found in the tree, the admission order, the prefill tokens saved, the calls into the tree and the tree
+itself. Everything here reads a tree through the assignment's interface only (``tree_nodes``).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tinypaged.block_manager import BlockManager
-from tinypaged.radix_cache import RadixKVManager
+from tinypaged.radix_cache import RadixKVManager, tree_nodes
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence
 
@@ -36,13 +41,27 @@ class Snapshot:
     hits: dict[str, int] = field(default_factory=dict)  # manager -> tokens the event's request found cached
 
 
+def _created(node) -> int:
+    """Creation order: the package's ``TreeNode.id`` or the assignment's ``Node.order``."""
+    return getattr(node, "id", getattr(node, "order", 0))
+
+
+def next_victim(tree):
+    """The leaf ``evict`` frees first: unlocked, the smallest ``last_access``, then the oldest. Read through the
+    assignment's interface only (``root``, ``children``, ``lock_ref``, ``last_access``), so a learner's tree works."""
+    leaves = [n for n in tree_nodes(tree) if not n.children and n.lock_ref == 0]
+    return min(leaves, key=lambda n: (n.last_access, _created(n)), default=None)
+
+
 def _tree_view(tree) -> list[NodeView]:
-    victim = tree.next_victim()
+    victim, number = next_victim(tree), {}
     out, stack = [], [(c, None, 0) for c in sorted(tree.root.children.values(), key=lambda n: n.key, reverse=True)]
     while stack:
         node, parent, depth = stack.pop()
-        out.append(NodeView(node.id, parent, depth, node.key, node.lock_ref, node is victim))
-        stack += [(c, node.id, depth + 1) for c in sorted(node.children.values(), key=lambda n: n.key, reverse=True)]
+        number[id(node)] = len(out)  # nodes are numbered in drawing order: any tree's nodes will do
+        out.append(NodeView(number[id(node)], parent, depth, tuple(node.key), node.lock_ref, node is victim))
+        stack += [(c, number[id(node)], depth + 1)
+                  for c in sorted(node.children.values(), key=lambda n: n.key, reverse=True)]
     return out
 
 
@@ -83,19 +102,113 @@ def replay(events, capacity_tokens: int = 64, block_size: int = 4) -> list[Snaps
     return snaps
 
 
-def describe(tree, width: int = 8) -> list[str]:
+def describe(tree, width: int = 8, decode=None) -> list[str]:
     """``tree_lines`` of a tree as it is now."""
-    return tree_lines(Snapshot("now", _tree_view(tree), []), width)
+    return tree_lines(Snapshot("now", _tree_view(tree), []), width, decode)
 
 
-def tree_lines(snap: Snapshot, width: int = 8) -> list[str]:
-    """One line per node: indentation by depth, the first ``width`` tokens, the lock count, the next victim."""
+def tree_lines(snap: Snapshot, width: int = 8, decode=None) -> list[str]:
+    """One line per node: indentation by depth, the first ``width`` tokens (or, with ``decode``, the text of the
+    node's tokens, cut to ``4 * width`` characters), the lock count, the next victim."""
     lines = []
     for n in snap.nodes:
-        toks = " ".join(map(str, n.tokens[:width])) + (" ..." if len(n.tokens) > width else "")
+        if decode is not None:
+            text = decode(list(n.tokens))
+            toks = repr(text[: 4 * width]) + (" ..." if len(text) > 4 * width else "")
+        else:
+            toks = " ".join(map(str, n.tokens[:width])) + (" ..." if len(n.tokens) > width else "")
         mark = "  <- evicted next" if n.victim else ""
         lines.append(f"{'  ' * n.depth}[{toks}] ({len(n.tokens)} tokens, lock {n.lock_ref}){mark}")
     return lines or ["(empty tree)"]
+
+
+TREE_CALLS = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref")
+
+
+@dataclass
+class ServedRun:
+    """One engine run on a radix tree: what each request found cached and the tree afterwards."""
+
+    order: str
+    admitted: list[int]  # prompt indexes in the order the engine first scheduled them
+    cached: list[int]  # per prompt: tokens its admission found in the tree
+    prompt_tokens: list[int]
+    prefill_tokens: int  # prompt tokens the engine computed (the engine's own count)
+    tokens: list[list[int]]  # the greedy output tokens, per prompt
+    calls: dict[str, int]  # calls the engine's KV manager made into the tree
+    tree: object  # the tree after the run
+
+
+def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str = "smollm2-135m",
+                    **engine_kwargs) -> ServedRun:
+    """Serve ``prompts`` (greedy) with ``RadixKVManager`` over ``make_tree()`` and ``CacheAwareOrder(order)``
+    (``order``: a function ``order(seqs, cached_tokens)`` or ``"lpm"``, ``"fcfs"``, ...)."""
+    from collections import Counter
+
+    from tinypaged import LLM
+    from tinypaged.radix_policy import CacheAwareOrder
+
+    calls, trees = Counter(), []
+
+    def tree_factory(page_size):
+        tree = make_tree()
+        for name in TREE_CALLS:  # count the calls into the tree's own methods
+            def counted(*a, _f=getattr(tree, name), _name=name, **k):
+                calls[_name] += 1
+                return _f(*a, **k)
+            setattr(tree, name, counted)
+        trees.append(tree)
+        return tree
+
+    llm = LLM(model, kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=tree_factory),
+              scheduling_policy=CacheAwareOrder(order), **engine_kwargs)
+    outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    admitted = sorted(range(len(outs)), key=lambda i: (outs[i].metrics.first_scheduled_time, i))
+    name = order if isinstance(order, str) else getattr(order, "__name__", "your order")
+    return ServedRun(name, admitted, [o.metrics.num_cached_tokens for o in outs],
+                     [len(o.prompt_token_ids) for o in outs], llm.get_metrics()["num_prefill_tokens"],
+                     [list(o.outputs[0].token_ids) for o in outs], {k: calls[k] for k in TREE_CALLS}, trees[0])
+
+
+def served_lines(yours: ServedRun, fcfs: ServedRun, decode=None, reference_tokens=None) -> list[str]:
+    """Two runs of the same prompts side by side: admission order, cached and computed tokens per request, the
+    prefill saved, the calls into the tree and the tree after ``yours``."""
+    lines = []
+    for run in (yours, fcfs):
+        lines.append(f"{run.order}: admitted requests {', '.join(map(str, run.admitted))}")
+        for i in run.admitted:
+            lines.append(f"  request {i}: {run.prompt_tokens[i]} prompt tokens, {run.cached[i]} found in the tree, "
+                         f"{run.prompt_tokens[i] - run.cached[i]} computed")
+    saved = fcfs.prefill_tokens - yours.prefill_tokens
+    lines.append(f"prefill tokens computed: {yours.prefill_tokens} with {yours.order}, {fcfs.prefill_tokens} with "
+                 f"{fcfs.order}: {saved} saved")
+    lines.append(f"the same output tokens under both orders: {yours.tokens == fcfs.tokens}")
+    if reference_tokens is not None:
+        same = [list(r) for r in reference_tokens] == yours.tokens
+        lines.append(f"the same output tokens as transformers: {same}")
+    lines.append("calls into your tree (" + yours.order + "): " + ", ".join(f"{k} {n}" for k, n in yours.calls.items()))
+    lines.append(f"your tree after {yours.order}'s run (each edge's text, its tokens, its lock count):")
+    lines += ["  " + line for line in describe(yours.tree, decode=decode)]
+    return lines
+
+
+def show_at_work(make_tree, order, prompts, max_tokens: int = 8, decode=None, reference=None, **engine_kwargs) -> None:
+    """Stage 7's payoff: serve ``prompts`` with ``make_tree()`` under ``order`` and again in arrival order, and print
+    ``served_lines``. ``reference(prompts, max_tokens)``: other greedy tokens to compare with (transformers').
+    An unfinished tree or order (``NotImplementedError``) is said in one line, before the model loads."""
+    try:
+        tree = make_tree()
+        tree.insert([1, 2, 3], [0, 1, 2])
+        tree.match_prefix([1, 2])
+        tree.evict(3)
+        order([], lambda s: 0)
+    except NotImplementedError:
+        print("not implemented yet: finish (a) and (b), then run this cell again")
+        return
+    yours = serve_with_tree(make_tree, order, prompts, max_tokens, **engine_kwargs)
+    arrival = serve_with_tree(make_tree, "fcfs", prompts, max_tokens, **engine_kwargs)
+    want = reference(tuple(prompts), max_tokens) if reference is not None else None
+    print("\n".join(served_lines(yours, arrival, decode, want)))
 
 
 def block_line(snap: Snapshot) -> str:

@@ -43,6 +43,7 @@ PASS, FAIL, TODO = "PASS", "FAIL", "not implemented yet"
 RECORD_MIME = "application/vnd.tinypaged.check+json"
 GRADING_ENV = "TINYPAGED_GRADING"
 MAX_SHOWN = 160  # characters of a value shown in a message
+MAX_NOTE = 1500  # characters of a case's replay note shown in a message
 
 
 # ---------------------------------------------------------------- cases and steps
@@ -52,10 +53,16 @@ class Trace:
 
     def __init__(self):
         self.steps: list[list] = []
+        self.note: str | None = None  # shown after the verdict of a failing case (``note``)
 
     def __call__(self, description: str, value):
         self.steps.append([description, plain(value)])
         return value
+
+    def replay(self, text: str) -> None:
+        """Attach a note to the case, shown only if it fails: e.g. the shortest run of operations that still
+        fails, so a random case can be replayed. Computed where the implementation runs; never compared."""
+        self.note = str(text)[:MAX_NOTE]
 
 
 @dataclass
@@ -67,6 +74,15 @@ class Case:
     hint: str = ""  # why it matters, shown when the case fails
     tol: float = 0.0  # absolute tolerance for numbers (tensors: max abs error)
     weight: float = 1.0
+    # (text in a step's description, hint): a failing step whose description contains the text gets that hint
+    # instead of ``hint`` (the first match wins), so a wrong return value is not explained by another step's hint
+    step_hints: tuple[tuple[str, str], ...] = ()
+
+    def hint_for(self, description: str | None) -> str:
+        for text, hint in self.step_hints:
+            if description is not None and text in description:
+                return hint
+        return self.hint
 
 
 @dataclass
@@ -178,17 +194,27 @@ def _number(x) -> bool:
 
 
 def differ(want, got, tol: float) -> str | None:
-    """Why ``got`` is not ``want`` (None if it is), comparing numbers within ``tol``."""
+    """Why ``got`` is not ``want`` (None if it is), comparing numbers within ``tol``. A difference inside a
+    list or dict is named by its path, once: ``at [0]['pages']: expected [1, 2], got [1]``."""
+    found = _differ(want, got, tol)
+    if found is None:
+        return None
+    path, why = found
+    return f"at {''.join(f'[{p!r}]' for p in path)}: {why}" if path else why
+
+
+def _differ(want, got, tol: float) -> tuple[list, str] | None:
+    """(path to the first difference, why), or None."""
     if isinstance(want, dict) and "tensor" in want:
         if not (isinstance(got, dict) and "tensor" in got):
-            return f"expected a tensor of shape {tuple(want['tensor'])}, got {_show(got)}"
+            return [], f"expected a tensor of shape {tuple(want['tensor'])}, got {_show(got)}"
         if got["tensor"] != want["tensor"]:
-            return f"expected shape {tuple(want['tensor'])}, got shape {tuple(got['tensor'])}"
+            return [], f"expected shape {tuple(want['tensor'])}, got shape {tuple(got['tensor'])}"
         w, g = want["data"], got["data"]
         if len(w) != len(g) or not all(_number(x) or isinstance(x, str) for x in g):
-            return "the tensor's values are malformed"
+            return [], "the tensor's values are malformed"
         if any(isinstance(x, str) for x in g):
-            return "the output holds inf or NaN (subtract the running max before exp?)"
+            return [], "the output holds inf or NaN (subtract the running max before exp?)"
         worst, at = 0.0, 0
         for i, (a, b) in enumerate(zip(w, g)):
             err = abs(a - b) if _number(a) else math.inf
@@ -200,27 +226,28 @@ def differ(want, got, tol: float) -> str | None:
                 index.append(rest % size)
                 rest //= size
             where = list(reversed(index))
-            return f"max error {worst:.3g} at index {where} (expected {w[at]:.6g}, got {g[at]:.6g}; tolerance {tol:g})"
+            return [], (f"max error {worst:.3g} at index {where} (expected {w[at]:.6g}, got {g[at]:.6g}; "
+                        f"tolerance {tol:g})")
         return None
     if _number(want) and _number(got):
-        return None if abs(want - got) <= tol else f"expected {_show(want)}, got {_show(got)}"
+        return None if abs(want - got) <= tol else ([], f"expected {_show(want)}, got {_show(got)}")
     if isinstance(want, dict) and isinstance(got, dict) and want.keys() == got.keys():
         for k in want:  # name the first entry that differs
-            why = differ(want[k], got[k], tol)
-            if why is not None:
-                return f"{k!r}: {why}"
+            found = _differ(want[k], got[k], tol)
+            if found is not None:
+                return [k, *found[0]], found[1]
         return None
     if isinstance(want, list) and isinstance(got, list) and len(want) == len(got):
         if len(want) > 6 or any(isinstance(w, (list, dict)) for w in want):
             for i, (w, g) in enumerate(zip(want, got)):  # long or nested lists: the first item that differs
-                why = differ(w, g, tol)
-                if why is not None:
-                    return f"item {i}: {why}"
+                found = _differ(w, g, tol)
+                if found is not None:
+                    return [i, *found[0]], found[1]
             return None
         if tol:
-            return None if all(differ(w, g, tol) is None for w, g in zip(want, got)) else \
-                f"expected {_show(want)}, got {_show(got)}"
-    return None if want == got else f"expected {_show(want)}, got {_show(got)}"
+            return None if all(_differ(w, g, tol) is None for w, g in zip(want, got)) else \
+                ([], f"expected {_show(want)}, got {_show(got)}")
+    return None if want == got else ([], f"expected {_show(want)}, got {_show(got)}")
 
 
 # ---------------------------------------------------------------- running cases
@@ -363,6 +390,8 @@ def run_case(case: Case, impl, tripwire: _Tripwire | None = None) -> dict:
                 tripwire.hits.append("(the trace function was replaced)")
             sys.settrace(previous)
     out["steps"] = t.steps
+    if t.note:
+        out["note"] = t.note
     return out
 
 
@@ -403,6 +432,11 @@ def expected_outcomes(name: str, hidden: int | None = None) -> list[dict]:
 
 def compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str]:
     """One case: (passed, not implemented, message). ``got`` is untrusted: anything malformed fails."""
+    return _compare_case(want, got, tol)[:3]
+
+
+def _compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str, str | None]:
+    """``compare_case`` plus the description of the step that failed (None: none did, or the case as a whole)."""
     g = got if isinstance(got, dict) else {}
     steps = g.get("steps") if isinstance(g.get("steps"), list) else []
     error = g.get("error") if isinstance(g.get("error"), str) else None
@@ -410,16 +444,22 @@ def compare_case(want: dict, got, tol: float = 0.0) -> tuple[bool, bool, str]:
         step = steps[k] if k < len(steps) else None
         if not (isinstance(step, list) and len(step) == 2):
             if g.get("todo") is True:
-                return False, True, TODO
-            return False, False, f"{desc}: raised {error}" if error else f"{desc}: no result"
+                return False, True, TODO, None
+            return False, False, f"{desc}: raised {error}" if error else f"{desc}: no result", desc
         why = differ(value, step[1], tol)
         if why is not None:
-            return False, False, f"{desc}: {why}"
+            return False, False, f"{desc}: {why}", desc
     if g.get("todo") is True:
-        return False, True, TODO
+        return False, True, TODO, None
     if error:
-        return False, False, f"raised {error}"
-    return True, False, ""
+        return False, False, f"raised {error}", None
+    return True, False, "", None
+
+
+def _note(got) -> str:
+    """A failing case's replay note (untrusted text from the implementation's process: a string, cut short)."""
+    note = got.get("note") if isinstance(got, dict) else None
+    return note[:MAX_NOTE] if isinstance(note, str) else ""
 
 
 def judge(check: Check, record, hidden: int | None = None) -> dict:
@@ -429,25 +469,27 @@ def judge(check: Check, record, hidden: int | None = None) -> dict:
     got = got if isinstance(got, list) else []
     if len(got) == len(cases) and all(isinstance(g, dict) and g.get("todo") is True and not g.get("steps")
                                       for g in got):
-        results = [(False, True, TODO)] * len(cases)  # nothing to compare: skip computing the expectations
+        results = [(False, True, TODO, None)] * len(cases)  # nothing to compare: skip computing the expectations
     else:
         expected = expected_outcomes(check.name, hidden)
-        results = [compare_case(want, got[i] if i < len(got) else None, case.tol)
+        results = [_compare_case(want, got[i] if i < len(got) else None, case.tol)
                    for i, (case, want) in enumerate(zip(cases, expected))]
     total = sum(c.weight for c in cases)
-    passed = sum(c.weight for c, (ok, _, _) in zip(cases, results) if ok)
-    todo = bool(results) and all(t for _, t, _ in results)
+    passed = sum(c.weight for c, (ok, *_) in zip(cases, results) if ok)
+    todo = bool(results) and all(t for _, t, *_ in results)
     message = ""
-    for case, (ok, t, msg) in zip(cases, results):
+    for i, (case, (ok, t, msg, desc)) in enumerate(zip(cases, results)):
         if not ok:
-            message = TODO if t else f"case '{case.label}': {msg}" + (f" ({case.hint})" if case.hint else "")
+            hint, note = case.hint_for(desc), _note(got[i] if i < len(got) else None)
+            message = TODO if t else (f"case '{case.label}': {msg}" + (f" ({hint})" if hint else "")
+                                      + (f"; {note}" if note else ""))
             break
     reuse = record.get("reuse") if isinstance(record, dict) and isinstance(record.get("reuse"), str) else None
     if reuse:
         passed, message = 0.0, "uses the package's reference implementation: " + reuse
     status = PASS if passed == total and total > 0 else (TODO if todo and not reuse else FAIL)
     return {"check": check.name, "hidden": hidden, "passed": passed, "total": total, "status": status,
-            "message": message, "failed_cases": sum(1 for ok, _, _ in results if not ok)}
+            "message": message, "failed_cases": sum(1 for ok, *_ in results if not ok)}
 
 
 # ---------------------------------------------------------------- in-notebook API

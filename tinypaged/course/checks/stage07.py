@@ -5,13 +5,18 @@ The reference tree is ``tinypaged.radix_cache.RadixCache`` with ``page_size=1``;
 the same interface (``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``/``dec_lock_ref``,
 ``evictable_size``/``protected_size``, ``root`` of nodes with ``key``, ``value``, ``lock_ref``,
 ``children``). A case records what the calls return and the tree's shape, never node identities.
+
+A random workout that fails attaches a replay note: the reference tree runs beside the learner's only to find
+the first wrong step and drop every operation before it that is not needed to get it wrong, printed as code to
+paste (that case's operations only; no other case's expected values). ``serve_radix`` (the engine serving
+SmolLM2 with both pieces) is registered without points: the notebook's part (c) shows that run, ungraded.
 """
 
 from __future__ import annotations
 
 import random
 
-from tinypaged.course.checks import Case, register
+from tinypaged.course.checks import Case, _show, differ, plain, register
 from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
 from tinypaged.radix_cache import RadixCache, RadixKVManager
@@ -33,55 +38,176 @@ def shape(tree) -> list:
     return [walk(c) for c in sorted(tree.root.children.values(), key=lambda c: tuple(c.key))]
 
 
-def _sizes(tree) -> list[int]:
-    return [tree.evictable_size, tree.protected_size]
+def _sizes(tree) -> dict:
+    return {"evictable_size": tree.evictable_size, "protected_size": tree.protected_size}
 
 
 # ---------------------------------------------------------------- the tree
 
+# A failing step gets the hint of the call it made (a wrong insert return value is not a splitting problem).
+STAMPS = ("every node a call walks through gets the call's stamp, and a node it splits passes the stamp to both "
+          "halves: stamp before splitting, or stamp both")
+STEP_HINTS = (
+    ("insert(", "insert returns how many tokens of key were in the tree before the call (0 for a new key); the "
+                "rest becomes one new leaf holding the caller's pages for those tokens"),
+    ("match_prefix(", "walk while a child starts with the next token; a match that ends inside a child's key splits "
+                      "it there; return the pages of every matched token and the node the match ends on"),
+    ("evict(", f"free unlocked leaves, the smallest last_access first (ties: the node created first), whole leaves, "
+               f"until num_tokens are freed; a parent left childless and unlocked becomes a leaf. {STAMPS}"),
+    ("lock", "the sizes move only through inc_lock_ref / dec_lock_ref (given); a split node's new half must copy "
+             "lock_ref so they stay right"),
+    ("the tree", "a split keeps every path's tokens and pages; the new node copies lock_ref and last_access"),
+)
+
+
+def _ops(seed: int, steps: int) -> list[tuple]:
+    """A random workout as plain operations (drawn once, whatever the tree answers): ``("insert", key, first
+    page)``, ``("match", key, lock it?)``, ``("unlock", index of the match whose node it unlocks)``,
+    ``("evict", num_tokens)``."""
+    r = random.Random(seed)
+    prefixes = [[r.randrange(1, 5) for _ in range(r.randint(2, 8))] for _ in range(4)]
+    ops, next_page, locked = [], 100, []
+    for i in range(steps):
+        op = r.random()
+        key = r.choice(prefixes)[: r.randint(0, 8)] + [r.randrange(1, 4) for _ in range(r.randint(0, 4))]
+        if op < 0.35 and key:
+            ops.append(("insert", key, next_page))
+            next_page += len(key)
+        elif op < 0.6:
+            lock = r.random() < 0.5
+            ops.append(("match", key, lock))
+            if lock:
+                locked.append(i)
+        elif op < 0.75 and locked:
+            ops.append(("unlock", locked.pop(r.randrange(len(locked)))))
+        else:
+            ops.append(("evict", r.randint(1, 10)))
+    return ops
+
+
+def _apply(tree, ops: list[tuple], i: int, nodes: dict) -> list[tuple[str, object]]:
+    """Run operation ``i`` of ``ops`` on ``tree``: the steps it observes, as (description, value)."""
+    op = ops[i]
+    if op[0] == "insert":
+        key, first = op[1], op[2]
+        return [(f"step {i}: insert({key}, pages {first}..{first + len(key) - 1}): the return value and the sizes",
+                 {"returns": tree.insert(key, list(range(first, first + len(key)))), **_sizes(tree)})]
+    if op[0] == "match":
+        pages, node = tree.match_prefix(op[1])
+        nodes[i] = node
+        out = [(f"step {i}: match_prefix({op[1]}): the pages and the matched node's key",
+                {"pages": list(pages), "node's key": list(node.key)})]
+        if op[2]:
+            tree.inc_lock_ref(node)
+            out.append((f"step {i}: lock the node it returned: the sizes", _sizes(tree)))
+        return out
+    if op[0] == "unlock":
+        tree.dec_lock_ref(nodes[op[1]])
+        return [(f"step {i}: unlock the node step {op[1]} locked: the sizes", _sizes(tree))]
+    return [(f"step {i}: evict({op[1]}): the freed pages (sorted) and the sizes",
+             {"freed": sorted(tree.evict(op[1])), **_sizes(tree)})]
+
+
+def _as_python(ops: list[tuple], keep: list[int]) -> str:
+    """``keep``'s operations as lines a learner can paste into a cell."""
+    lines = ["t = RadixTree()"]
+    for i in keep:
+        op = ops[i]
+        if op[0] == "insert":
+            lines.append(f"t.insert({op[1]}, list(range({op[2]}, {op[2] + len(op[1])})))")
+        elif op[0] == "match":
+            lines.append(f"_, n{i} = t.match_prefix({op[1]})" + (f"; t.inc_lock_ref(n{i})" if op[2] else ""))
+        elif op[0] == "unlock":
+            lines.append(f"t.dec_lock_ref(n{op[1]})")
+        else:
+            lines.append(f"sorted(t.evict({op[1]}))")
+    return "; ".join(lines)
+
+
+def _first_wrong(cls, ops: list[tuple], keep: list[int]) -> tuple[int, str] | None:
+    """Where ``cls`` first disagrees with the reference on the operations ``keep``: (position in ``keep``, what the
+    reference and ``cls`` answered there), or None."""
+    mine, ref, mine_nodes, ref_nodes = cls(), RadixCache(1), {}, {}
+    for n, i in enumerate(keep):
+        want = [plain(v) for _, v in _apply(ref, ops, i, ref_nodes)]
+        try:
+            got = [plain(v) for _, v in _apply(mine, ops, i, mine_nodes)]
+        except Exception as e:  # noqa: BLE001  (the learner's code failing is what we look for)
+            return n, f"expected {_show(want[0])}, raised {type(e).__name__}"
+        if got != want:
+            k = next(j for j in range(len(want)) if j >= len(got) or got[j] != want[j])
+            return n, differ(want[k], got[k], 0) if k < len(got) else f"expected {_show(want[k])}, got nothing"
+    return None
+
+
+def _fails_last(cls, ops: list[tuple], keep: list[int]) -> bool:
+    """Whether ``cls`` agrees with the reference on every operation of ``keep`` but the last, and not on the last
+    (a different value or an exception)."""
+    wrong = _first_wrong(cls, ops, keep)
+    return wrong is not None and wrong[0] == len(keep) - 1
+
+
+def _replay_note(cls, ops: list[tuple], upto: int) -> str:
+    keep = _shortest_failure(cls, ops, upto)
+    wrong = _first_wrong(cls, ops, keep)
+    what = f" (its last line: {wrong[1]})" if wrong is not None and wrong[0] == len(keep) - 1 else ""
+    return f"replay it, shortened to the operations that still fail{what}: {_as_python(ops, keep)}"
+
+
+def _shortest_failure(cls, ops: list[tuple], upto: int) -> list[int]:
+    """Operations 0..``upto`` with every one dropped whose absence still leaves ``upto`` failing (a match stays while
+    a kept unlock needs its node): the run to replay. At most three passes over at most 80 operations."""
+    keep = list(range(upto + 1))
+    for _ in range(3):
+        dropped = False
+        for i in reversed(keep[:-1]):
+            if any(ops[j][0] == "unlock" and ops[j][1] == i for j in keep if j != i):
+                continue
+            trial = [j for j in keep if j != i]
+            if _fails_last(cls, ops, trial):
+                keep, dropped = trial, True
+        if not dropped:
+            break
+    return keep
+
+
 def _workout(seed: int, steps: int):
     def run(cls, t):
-        r = random.Random(seed)
-        tree = cls()
-        prefixes = [[r.randrange(1, 5) for _ in range(r.randint(2, 8))] for _ in range(4)]
-        next_page, locks = 100, []
-        for step in range(steps):
-            op = r.random()
-            key = r.choice(prefixes)[: r.randint(0, 8)] + [r.randrange(1, 4) for _ in range(r.randint(0, 4))]
-            if op < 0.35 and key:
-                pages = list(range(next_page, next_page + len(key)))
-                next_page += len(key)
-                t(f"step {step}: insert({key}, pages {pages[0]}..) returns, then the sizes",
-                  [tree.insert(key, pages), _sizes(tree)])
-            elif op < 0.6:
-                pages, node = tree.match_prefix(key)
-                t(f"step {step}: match_prefix({key}): pages and the matched node's key", [pages, list(node.key)])
-                if r.random() < 0.5:
-                    tree.inc_lock_ref(node)
-                    locks.append(node)
-                    t(f"step {step}: lock it: sizes", _sizes(tree))
-            elif op < 0.75 and locks:
-                tree.dec_lock_ref(locks.pop(r.randrange(len(locks))))
-                t(f"step {step}: unlock a locked node: sizes", _sizes(tree))
-            else:
-                n = r.randint(1, 10)
-                t(f"step {step}: evict({n}) frees (sorted), then the sizes", [sorted(tree.evict(n)), _sizes(tree)])
+        ops = _ops(seed, steps)
+        tree, ref, nodes, ref_nodes = cls(), RadixCache(1), {}, {}
+        for i in range(len(ops)):
+            # The reference runs beside the tree only to find the first wrong step and shorten the run that
+            # leads to it (a replayable note); the verdict compares the recorded steps, as in every check.
+            want = _apply(ref, ops, i, ref_nodes) if cls is not RadixCache else None
+            try:
+                got = _apply(tree, ops, i, nodes)
+            except NotImplementedError:
+                raise
+            except Exception:
+                if want is not None and t.note is None:
+                    t.replay(_replay_note(cls, ops, i))
+                raise
+            for desc, value in got:
+                t(desc, value)
+            if want is not None and t.note is None and [plain(v) for _, v in got] != [plain(v) for _, v in want]:
+                t.replay(_replay_note(cls, ops, i))
         t("the tree at the end", shape(tree))
     return run
 
 
-@register("07", "RadixTree", reference=lambda: RadixCache, points=6, name="radix_tree",
+@register("07", "RadixTree", reference=lambda: RadixCache, points=7, name="radix_tree",
           forbidden=lambda: [RadixCache, RadixKVManager])
 def cases_radix_tree(hidden):
     def split(cls, t):
         tree = cls()
-        t("insert([1, 2, 3, 4, 5], pages [10..14]) into an empty tree", tree.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]))
+        t("insert([1, 2, 3, 4, 5], pages [10..14]) into an empty tree: the return value",
+          tree.insert([1, 2, 3, 4, 5], [10, 11, 12, 13, 14]))
         pages, node = tree.match_prefix([1, 2, 3, 9])
         t("match_prefix([1, 2, 3, 9]): pages, the node's key", [pages, list(node.key)])
         t("the tree after the match (it split the edge after 3 tokens)", shape(tree))
         t("match_prefix([7]) and match_prefix([]): pages, the node's key",
           [[p, list(n.key)] for p, n in (tree.match_prefix([7]), tree.match_prefix([]))])
-        t("the sizes: evictable, protected", _sizes(tree))
+        t("the sizes after the matches", _sizes(tree))
 
     def share(cls, t):
         tree = cls()
@@ -89,10 +215,10 @@ def cases_radix_tree(hidden):
         t("insert([1, 2, 3, 7, 7], pages [20..24]) returns the tokens already cached",
           tree.insert([1, 2, 3, 7, 7], [20, 21, 22, 23, 24]))
         t("the tree (it keeps its own pages for 1, 2, 3)", shape(tree))
-        t("insert([1, 2], pages [30, 31]): cached already", tree.insert([1, 2], [30, 31]))
+        t("insert([1, 2], pages [30, 31]): the return value (all cached already)", tree.insert([1, 2], [30, 31]))
         t("the tree (a match that ends inside an edge splits it)", shape(tree))
         t("match_prefix([1, 2, 3, 7, 7, 7]): pages", tree.match_prefix([1, 2, 3, 7, 7, 7])[0])
-        t("the sizes", _sizes(tree))
+        t("the sizes after the inserts", _sizes(tree))
 
     def locks(cls, t):
         tree = cls()
@@ -100,11 +226,11 @@ def cases_radix_tree(hidden):
         tree.insert([1, 2, 3, 7, 7], [20, 21, 22, 23, 24])
         _, node = tree.match_prefix([1, 2, 3, 4, 5])
         tree.inc_lock_ref(node)
-        t("lock the node of [1, 2, 3, 4, 5]: sizes", _sizes(tree))
+        t("lock the node of [1, 2, 3, 4, 5]: the sizes", _sizes(tree))
         t("evict(100) frees only the unlocked leaf (sorted pages)", sorted(tree.evict(100)))
         t("the tree and the sizes", [shape(tree), _sizes(tree)])
         tree.dec_lock_ref(node)
-        t("unlock: sizes", _sizes(tree))
+        t("unlock: the sizes", _sizes(tree))
         t("evict(1) frees a whole leaf: [4, 5]'s pages", sorted(tree.evict(1)))
         t("evict(1) again: the parent became a leaf", sorted(tree.evict(1)))
         t("the empty tree and its sizes; evict(5) on it", [shape(tree), _sizes(tree), tree.evict(5)])
@@ -119,17 +245,34 @@ def cases_radix_tree(hidden):
         t("evict(2) next", sorted(tree.evict(2)))
         t("what is left", shape(tree))
 
+    def split_stamps(cls, t):
+        # Regression (issue 32): a learner stamped only the new upper half of a split, so the remainder kept its
+        # old stamp and was evicted before a leaf used later; only a hidden workout caught it.
+        tree = cls()
+        tree.insert([1, 2, 3, 4], [10, 11, 12, 13])  # stamp 1
+        tree.insert([5, 5], [20, 21])  # stamp 2
+        tree.match_prefix([1, 2])  # stamp 3: splits [1, 2, 3, 4]; the remainder [3, 4] was walked into too
+        t("after insert [1, 2, 3, 4], insert [5, 5], match_prefix([1, 2]): evict(2) frees the least recently used "
+          "leaf", sorted(tree.evict(2)))
+        tree.insert([6, 6], [30, 31])  # stamp 4
+        tree.insert([1, 2, 3, 9], [40, 41, 42, 43])  # stamp 5: splits [3, 4] into [3] and [4]
+        t("then insert [6, 6] and insert [1, 2, 3, 9] (it splits [3, 4]): evict(1) frees", sorted(tree.evict(1)))
+        t("what is left", shape(tree))
+
+    def case(label, run, hint, **kw):
+        return Case(label, run, hint, step_hints=STEP_HINTS, **kw)
+
     if hidden is None:
-        return [Case("a match ends inside an edge", split, "split the node: a new parent holds the matched part "
-                                                           "and inherits lock_ref and last_access"),
-                Case("insert shares a prefix", share, "walk as match does; return the cached length; new leaf for "
-                                                      "the rest with the caller's pages for those tokens"),
-                Case("locks protect, leaves go first", locks, "evict only leaves with lock_ref 0; a parent left "
+        return [case("a match ends inside an edge", split, "a match that ends inside a key splits the node there"),
+                case("insert shares a prefix", share, "insert walks as match_prefix does and returns the cached "
+                                                      "length; a new leaf for the rest, with the caller's pages"),
+                case("locks protect, leaves go first", locks, "evict only leaves with lock_ref 0; a parent left "
                                                               "without children becomes a candidate"),
-                Case("least recently used first", lru, "match_prefix and insert stamp every node they walk through"),
-                Case("random workout", _workout(7, 60), weight=2)]
+                case("least recently used first", lru, "match_prefix and insert stamp every node they walk through"),
+                Case("a split stamps both halves", split_stamps, STAMPS),
+                case("random workout", _workout(7, 60), "", weight=2)]
     r = rng(hidden, 71)
-    return [Case(f"random workout {k}", _workout(r.randrange(10**6), 80), weight=2) for k in range(3)]
+    return [case(f"random workout {k}", _workout(r.randrange(10**6), 80), "", weight=2) for k in range(3)]
 
 
 # ---------------------------------------------------------------- the order
@@ -150,7 +293,7 @@ def _order_case(reqs, fcfs_above=128):
     return run
 
 
-@register("07", "lpm_order", reference=lambda: lpm_order, points=2,
+@register("07", "lpm_order", reference=lambda: lpm_order, points=1,
           forbidden=lambda: [lpm_order, longest_prefix_first, CacheAwareOrder])
 def cases_lpm_order(hidden):
     if hidden is None:
@@ -216,4 +359,4 @@ serving_check("07", "serve_radix",
               preflight=_preflight, adapters=("kv_cache_manager", "scheduling_policy"),
               facts=[("cache-aware order ran the repeated prompt before the second one", _reordered),
                      ("the repeat found all but its last prompt token cached", _whole_hit)],
-              uses=("RadixTree", "lpm_order"))
+              uses=("RadixTree", "lpm_order"), points=0)
