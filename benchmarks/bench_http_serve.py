@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tinypaged import LLM, SamplingParams  # noqa: E402
-from tinypaged.server import ServerThread, create_app  # noqa: E402
+from tinypaged.entrypoints.server import ServerThread, create_app  # noqa: E402
 
 
 # -- part 1: reliability ------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def in_process(args) -> list[dict]:
 
 
 def load(args) -> None:
-    from tinypaged.model_loader import smollm2_folder
+    from tinypaged.model.loader import smollm2_folder
 
     vpy = vllm_python()
     if vpy is None:

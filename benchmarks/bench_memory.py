@@ -23,7 +23,7 @@ import time
 import torch
 
 from tinypaged.lab import memory_sim, workloads
-from tinypaged.kv_cache import kv_bytes_per_token
+from tinypaged.worker.kv_cache import kv_bytes_per_token
 
 MAX_MODEL_LEN = 2048  # the paper's sequence cap
 BLOCK_SIZE = 16

@@ -38,8 +38,8 @@ import torch
 from tinypaged import LLM
 from tinypaged.lab import vllm_side
 from tinypaged.lab.prefix_workloads import all_workloads, run_workload
-from tinypaged.radix_cache import RadixKVManager
-from tinypaged.radix_policy import CacheAwareOrder
+from tinypaged.kv.radix_cache import RadixKVManager
+from tinypaged.sched.radix_policy import CacheAwareOrder
 
 BLOCK = 16
 MANAGERS = {

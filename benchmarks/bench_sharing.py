@@ -7,7 +7,7 @@
       step at a time; copy-on-write gives each sample its own copy of the partial prompt block.
       Analytic: with sharing ``floor(p/B) + n * (ceil((p+t)/B) - floor(p/B))`` blocks at step t,
       without ``n * ceil((p+t)/B)``.
-    * Beam search: the real ``tinypaged.beam_search`` on the "tiny" model (random weights, so the
+    * Beam search: the real ``tinypaged.engine.beam_search`` on the "tiny" model (random weights, so the
       beam dynamics are those of a flat distribution, not of a trained model), ``ignore_eos`` so each
       request runs its trace output length. Lengths are scaled down for the CPU and the block size
       with them (ShareGPT x0.25 with blocks of 4; Alpaca x0.5 with blocks of 8), so blocks per
@@ -34,8 +34,8 @@ import torch
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.lab import workloads
-from tinypaged.beam_search import beam_search, analytic_shared_blocks
-from tinypaged.block_manager import BlockManager, blocks_needed
+from tinypaged.engine.beam_search import beam_search, analytic_shared_blocks
+from tinypaged.kv.block_manager import BlockManager, blocks_needed
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
 

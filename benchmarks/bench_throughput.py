@@ -135,7 +135,7 @@ def run_hf_continuous(hf, prompts, outs, batch):
 def part1(args):
     from transformers import AutoModelForCausalLM
 
-    from tinypaged.model_loader import smollm2_folder
+    from tinypaged.model.loader import smollm2_folder
 
     torch.manual_seed(0)
     B = args.batch

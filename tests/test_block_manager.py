@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from tinypaged.course import checks
-from tinypaged.attention import gather_kv, paged_context_slots, slot_mapping
-from tinypaged.block_manager import BlockManager
+from tinypaged.attention.backends import gather_kv, paged_context_slots, slot_mapping
+from tinypaged.kv.block_manager import BlockManager
 
 
 class FakeSeq:

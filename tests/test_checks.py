@@ -61,7 +61,7 @@ def test_messages_name_the_case_the_step_and_both_values(capsys):
 
 
 def test_wrapped_and_aliased_references_are_caught():
-    from tinypaged import attention
+    from tinypaged.attention import backends as attention
 
     def wrapper(table, positions, block_size):
         return attention.slot_mapping(table, positions, block_size)
@@ -69,7 +69,7 @@ def test_wrapped_and_aliased_references_are_caught():
     def sneaky(table, positions, block_size):  # reached through another module
         import importlib
 
-        return getattr(importlib.import_module("tinypaged.attention"), "slot_mapping")(table, positions, block_size)
+        return getattr(importlib.import_module("tinypaged.attention.backends"), "slot_mapping")(table, positions, block_size)
 
     for impl in (attention.slot_mapping, wrapper, sneaky):
         status, msg = checks.evaluate("slot_mapping", impl)
@@ -83,8 +83,8 @@ def _stage07_given_and_solution_cells() -> dict:
 
     from tinypaged.course import coursework
     from tinypaged.course.grading.notebook import source_of
-    from tinypaged.radix_cache import RadixKVManager
-    from tinypaged.radix_policy import CacheAwareOrder
+    from tinypaged.kv.radix_cache import RadixKVManager
+    from tinypaged.sched.radix_policy import CacheAwareOrder
 
     nb = json.loads((coursework.ROOT / "solutions" / "07_radix_attention.ipynb").read_text())
     ns: dict = {"__name__": "__submission__"}
@@ -103,8 +103,8 @@ def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
     The seams pass when the pieces inside are the notebook's, and only then (refused before the model loads)."""
     from tinypaged.course.checks.serving import check_plugins
     from tinypaged.course.checks.stage07 import _preflight
-    from tinypaged.radix_cache import RadixKVManager
-    from tinypaged.radix_policy import CacheAwareOrder, longest_prefix_first
+    from tinypaged.kv.radix_cache import RadixKVManager
+    from tinypaged.sched.radix_policy import CacheAwareOrder, longest_prefix_first
 
     plugins = _stage07_given_and_solution_cells()["plugins"]
     check_plugins(plugins, ("kv_cache_manager", "scheduling_policy"))
@@ -167,7 +167,7 @@ def test_stage07_split_stamps_are_a_visible_case_and_hidden_failures_can_be_repl
     assert status == checks.FAIL and "random workout" in msg and "replay it" in msg, msg
     replay = msg[msg.index("t = RadixTree()"):]
     # the replay is real code: pasted after the learner's class, its last line disagrees with the reference
-    from tinypaged.radix_cache import RadixCache
+    from tinypaged.kv.radix_cache import RadixCache
 
     code = replay.split("; ")
     *setup, last = code

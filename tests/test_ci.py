@@ -57,7 +57,7 @@ def test_both_jobs_cache_the_venv_and_the_model():
     # The model cache path is where the loader puts the converted model.
     env = yaml.safe_load(WORKFLOW.read_text())["env"]
     assert env["TINYPAGED_CACHE"].endswith("/.model-cache")
-    assert "TINYPAGED_CACHE" in (ROOT / "tinypaged" / "model_loader.py").read_text()
+    assert "TINYPAGED_CACHE" in (ROOT / "tinypaged" / "model" / "loader.py").read_text()
 
 
 def test_every_script_the_workflow_names_exists():

@@ -7,7 +7,7 @@ import torch
 
 from tinypaged import LLM, SamplingParams
 from tinypaged.course import checks
-from tinypaged.contiguous import (
+from tinypaged.kv.contiguous import (
     ContiguousAllocator,
     ContiguousKVManager,
     first_fit,
@@ -15,7 +15,7 @@ from tinypaged.contiguous import (
     next_power_of_two,
     reservation_tokens,
 )
-from tinypaged.model_loader import tiny_hf_model
+from tinypaged.model.loader import tiny_hf_model
 from tinypaged.sequence import Sequence
 
 

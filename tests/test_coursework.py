@@ -135,17 +135,17 @@ def test_stage_comes_from_the_metadata_then_the_file_name(tmp_path):
 
 # ---------------------------------------------------------------- the static scan
 
-def scan(*learner, given="from tinypaged import contiguous, attention\nimport tinypaged"):
+def scan(*learner, given="from tinypaged.kv import contiguous\nfrom tinypaged.attention import backends as attention\nimport tinypaged"):
     cells = [(0, given, False)] + [(i + 1, src, True) for i, src in enumerate(learner)]
     return scan_notebook(cells)
 
 
 @pytest.mark.parametrize("src", [
     "first_fit = contiguous.first_fit",
-    "from tinypaged.contiguous import first_fit",
-    "from tinypaged.contiguous import first_fit as ff\ndef first_fit(h, s):\n    return ff(h, s)",
-    "def first_fit(h, s):\n    return tinypaged.contiguous.first_fit(h, s)",
-    "import tinypaged.contiguous as c\nfirst_fit = getattr(c, 'first_fit')",
+    "from tinypaged.kv.contiguous import first_fit",
+    "from tinypaged.kv.contiguous import first_fit as ff\ndef first_fit(h, s):\n    return ff(h, s)",
+    "def first_fit(h, s):\n    return tinypaged.kv.contiguous.first_fit(h, s)",
+    "import tinypaged.kv.contiguous as c\nfirst_fit = getattr(c, 'first_fit')",
 ])
 def test_scan_finds_reuse_of_a_reference(src):
     found = [f for f in scan(src) if f.kind == "reuse"]
@@ -175,7 +175,7 @@ def test_scan_finds_tampering(src):
     "from tinypaged.course.checks import check\ncheck('first_fit', first_fit)",
     "import torch\ntorch.backends.cudnn.deterministic = True",
     "class A:\n    def __init__(self):\n        self.free = []\n        self.free.append(1)",
-    "from tinypaged.block_manager import hash_block_tokens\nh = hash_block_tokens(None, [1])",
+    "from tinypaged.kv.block_manager import hash_block_tokens\nh = hash_block_tokens(None, [1])",
     "def first_fit(holes, size):\n    return next((s for s, g in holes if g >= size), None)",
 ])
 def test_scan_leaves_ordinary_code_alone(src):
@@ -244,8 +244,8 @@ def test_verifier_gives_partial_credit_and_names_a_killed_check():
 
 
 def test_verifier_zeroes_reuse_runtime_reuse_refusals_and_everything_after_tampering():
-    rep = graded("from tinypaged.contiguous import first_fit", evidence())
-    assert rep["score"] == 0 and "reference implementation tinypaged.contiguous.first_fit" in rep["tests"][0]["message"]
+    rep = graded("from tinypaged.kv.contiguous import first_fit", evidence())
+    assert rep["score"] == 0 and "reference implementation tinypaged.kv.contiguous.first_fit" in rep["tests"][0]["message"]
     rep = graded("import tinypaged.course.checks as c\nc.evaluate = None\ndef first_fit(h, s): ...", evidence())
     assert rep["score"] == 0 and "grader" in rep["tests"][0]["message"]
     ev = evidence()

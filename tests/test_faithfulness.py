@@ -10,8 +10,8 @@ import functools
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.block_manager import BlockManager
-from tinypaged.kv_cache import KVCacheTensors
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.worker.kv_cache import KVCacheTensors
 from tinypaged.sequence import Sequence
 
 pytestmark = pytest.mark.usefixtures("shared_weights", "one_thread")

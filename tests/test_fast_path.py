@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.attention import TorchBackend
-from tinypaged.fast_path import SDPABackend
+from tinypaged.attention.backends import TorchBackend
+from tinypaged.attention.sdpa import SDPABackend
 
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 3 for j in range(9 + 6 * i)]} for i in range(6)]
 

@@ -15,11 +15,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tinypaged.llm_engine as llm_engine
+import tinypaged.engine.llm_engine as llm_engine
 from tinypaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from tinypaged.__main__ import main
 from tinypaged.config import BOOLS, NUMBERS, OPTIONAL
-from tinypaged.scheduler import PlanPolicy, StaticBatching, make_policy, schedule_step
+from tinypaged.sched.scheduler import PlanPolicy, StaticBatching, make_policy, schedule_step
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 
@@ -106,7 +106,7 @@ def test_llm_refuses_a_bad_knob_before_loading_the_model(no_model_load, kw):
 
 
 def test_kv_cache_manager_factories_that_take_a_spec_are_accepted():
-    from tinypaged.block_manager import BlockManager
+    from tinypaged.kv.block_manager import BlockManager
 
     class Mine:
         def __init__(self, spec):

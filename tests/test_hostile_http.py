@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from tinypaged import LLM
-from tinypaged import server as server_module
+from tinypaged.entrypoints import server as server_module
 from tinypaged.__main__ import main
-from tinypaged.server import ServerThread, create_app
+from tinypaged.entrypoints.server import ServerThread, create_app
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 

@@ -12,11 +12,11 @@ import threading
 import pytest
 import torch
 
-import tinypaged.llm_engine as llm_engine_module
+import tinypaged.engine.llm_engine as llm_engine_module
 from tinypaged import LLM, SamplingParams
-from tinypaged.detokenizer import REPLACEMENT
-from tinypaged.input_processor import sample_generator
-from tinypaged.sampler import check_stop
+from tinypaged.engine.detokenizer import REPLACEMENT
+from tinypaged.engine.input_processor import sample_generator
+from tinypaged.sampling.sampler import check_stop
 from tinypaged.sequence import FinishReason, Sequence
 
 pytestmark = pytest.mark.usefixtures("shared_weights")

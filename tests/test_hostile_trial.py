@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-import tinypaged.llm_engine as llm_engine_module
+import tinypaged.engine.llm_engine as llm_engine_module
 from tinypaged import LLM, SamplingParams
-from tinypaged.detokenizer import REPLACEMENT
-from tinypaged.engine_loop import EngineLoop
-from tinypaged.input_processor import InputProcessor
+from tinypaged.engine.detokenizer import REPLACEMENT
+from tinypaged.entrypoints.engine_loop import EngineLoop
+from tinypaged.engine.input_processor import InputProcessor
 from tinypaged.interfaces import InvariantError
 from tinypaged.sampling_params import BeamSearchParams
 
@@ -263,7 +263,7 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_allocating(monkeypatch)
     def refuse(*args, **kwargs):
         raise AssertionError("the KV cache was allocated before its size was checked")
 
-    import tinypaged.model_runner as model_runner
+    import tinypaged.worker.model_runner as model_runner
     monkeypatch.setattr(model_runner, "KVCacheTensors", refuse)
     with pytest.raises(ValueError, match=r"kv_cache_memory_bytes=1000000000000000 asks for a KV cache of .* GiB, "
                                          r"but only .* GiB is free .*: lower kv_cache_memory_bytes"):

@@ -310,7 +310,7 @@ def _online_no_rescale(m, l, acc, scores, values):
 
 
 def _online_in_place(m, l, acc, scores, values):
-    from tinypaged.kernels import online_softmax_update
+    from tinypaged.lab.kernel_lab import online_softmax_update
 
     new = online_softmax_update(m, l, acc, scores, values)
     m.copy_(new[0]), l.copy_(new[1]), acc.copy_(new[2])

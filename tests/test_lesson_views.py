@@ -1,8 +1,8 @@
 """The lessons' read-only views: interfaces without bodies, tables from the manager, memory shares."""
 
-from tinypaged import contiguous
+from tinypaged.kv import contiguous
 from tinypaged.lab import memory_sim, workloads
-from tinypaged.block_manager import BlockManager
+from tinypaged.kv.block_manager import BlockManager
 from tinypaged.course.lesson_views import block_owners, format_tables, interface, memory_shares
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence

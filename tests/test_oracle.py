@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.model_loader import smollm2_folder, tiny_hf_model
+from tinypaged.model.loader import smollm2_folder, tiny_hf_model
 
 TINY_LOGIT_TOL = 1e-6  # transformers hands back scores in float32
 SMOLLM2_LOGIT_TOL = 2e-3

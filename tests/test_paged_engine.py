@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.model_loader import tiny_hf_model
+from tinypaged.model.loader import tiny_hf_model
 
 MAX_NEW = 10
 PROMPT_LENS = (1, 5, 17, 33, 9)  # ragged: shorter than, equal to and longer than a block
@@ -73,8 +73,8 @@ def test_paged_matches_contiguous_and_transformers(block_size, prompts, hf_token
 
 
 def test_smollm2_paged_matches_contiguous(monkeypatch):
-    from tinypaged import llm_engine
-    from tinypaged.model_loader import smollm2_folder
+    from tinypaged.engine import llm_engine
+    from tinypaged.model.loader import smollm2_folder
 
     try:
         smollm2_folder()

@@ -147,7 +147,7 @@ def test_scheduling_policy_plugin_serves_the_engine():
 
 
 def test_scheduling_policy_object_plugin():
-    from tinypaged.policies import PlanPolicy, schedule_step
+    from tinypaged.sched.policies import PlanPolicy, schedule_step
 
     class Logged(PlanPolicy):
         steps = 0
@@ -169,7 +169,7 @@ def test_attention_backend_plugin_serves_the_engine():
 def test_all_three_plugins_serve_smollm2_like_transformers():
     from transformers import AutoModelForCausalLM
 
-    from tinypaged.model_loader import smollm2_folder
+    from tinypaged.model.loader import smollm2_folder
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", block_size=16, num_gpu_blocks_override=32,
               max_model_len=256, max_num_seqs=4, kv_cache_manager=StackBlockManager,

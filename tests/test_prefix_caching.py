@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.block_manager import ROOT_HASH, BlockManager, hash_block_tokens
+from tinypaged.kv.block_manager import ROOT_HASH, BlockManager, hash_block_tokens
 from tinypaged.sequence import Sequence
 
 

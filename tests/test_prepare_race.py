@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tinypaged import model_loader as ml
+from tinypaged.model import loader as ml
 
 NAME = "smollm2-135m-instruct"
 
@@ -47,7 +47,7 @@ FAKE = textwrap.dedent("""
 
 CHILD = FAKE + textwrap.dedent("""
     import sys
-    from tinypaged import model_loader as ml
+    from tinypaged.model import loader as ml
     log, hold = sys.argv[1], sys.argv[2]
     ml._convert_smollm2 = lambda staging: fake_convert(staging, log, hold)
     print(ml.smollm2_folder(repair=True))

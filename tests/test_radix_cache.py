@@ -16,8 +16,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tinypaged.radix_cache import RadixCache, RadixKVManager
-from tinypaged.radix_policy import CacheAwareOrder, dfs_weight_order, longest_prefix_first
+from tinypaged.kv.radix_cache import RadixCache, RadixKVManager
+from tinypaged.sched.radix_policy import CacheAwareOrder, dfs_weight_order, longest_prefix_first
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [4, 4, 4, 4], [1, 2, 7]]
 
@@ -273,7 +273,7 @@ def _generate(**kw):
 
 
 def test_every_manager_and_order_gives_the_same_tokens():
-    from tinypaged.scheduler import schedule_step
+    from tinypaged.sched.scheduler import schedule_step
 
     _, base = _generate()
     want = [o.outputs[0].token_ids for o in base]
@@ -304,7 +304,7 @@ def test_same_step_prefix_sharing_passes_the_slot_check():
     """Regression: with a plug-in (so the cross-sequence slot check is on) and prefix caching, two requests
     admitted in one step share the prefix the first is writing; the check took that for an overwrite."""
     from tinypaged import LLM, SamplingParams
-    from tinypaged.scheduler import schedule_step
+    from tinypaged.sched.scheduler import schedule_step
 
     llm = LLM("tiny", enable_prefix_caching=True, scheduling_policy=schedule_step, block_size=4, kv_cache_tokens=256)
     p = {"prompt_token_ids": list(range(1, 40))}
@@ -533,7 +533,7 @@ def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy
 
     from tinypaged import LLM, SamplingParams
     from tinypaged.lab.radix_view import describe
-    from tinypaged.server import ServerThread, create_app
+    from tinypaged.entrypoints.server import ServerThread, create_app
 
     prompts = [{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}, {"prompt_token_ids": [1, 2, 3, 4, 9, 9]},
                {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8, 10]}]

@@ -274,7 +274,7 @@ def test_static_batching_leaves_idle_slots_continuous_does_not_wait():
 # -- the policy in miniature (policies.schedule_step) and the stage-4 checks ------------------------
 def test_schedule_step_replays_the_engine():
     """The exercise's pure policy, run over block counts, makes the engine's decisions step by step."""
-    from tinypaged.policies import BlockCounter, PlanRequest, schedule_step
+    from tinypaged.sched.policies import BlockCounter, PlanRequest, schedule_step
 
     llm = tiny(max_num_seqs=4, max_num_batched_tokens=16, num_gpu_blocks_override=14)
     steps = run_steps(llm, PROMPTS, PARAMS)
@@ -313,7 +313,7 @@ def test_schedule_step_replays_the_engine():
 def _broken_schedule_steps():
     import inspect
 
-    import tinypaged.policies as P
+    import tinypaged.sched.policies as P
 
     src = inspect.getsource(P.schedule_step)
 
@@ -406,12 +406,12 @@ def test_swapped_siblings_leave_together_and_match_recompute(parallel_sampling):
 
 # -- the engine runs schedule_step on its own requests ------------------------------------------------
 def test_the_step_sees_the_schedulers_requests_and_kv():
-    from tinypaged.scheduler import QueuedRequest, StepKV
+    from tinypaged.sched.scheduler import QueuedRequest, StepKV
 
     seen = {}
 
     def step(running, waiting, budget, max_num_seqs, kv):
-        from tinypaged.policies import schedule_step
+        from tinypaged.sched.policies import schedule_step
 
         seen.setdefault("types", set()).update(type(r) for r in list(running) + list(waiting))
         seen["kv"] = type(kv)
@@ -426,7 +426,7 @@ def test_the_step_sees_the_schedulers_requests_and_kv():
 
 def test_a_plan_of_ids_is_refused_with_the_rule():
     def ids_step(running, waiting, budget, max_num_seqs, kv):
-        from tinypaged.policies import schedule_step
+        from tinypaged.sched.policies import schedule_step
 
         plan = schedule_step(running, waiting, budget, max_num_seqs, kv)
         plan.scheduled = [(r.request_id, n) for r, n in plan.scheduled]
@@ -458,7 +458,7 @@ def test_waiting_requests_are_looked_up_only_as_far_as_the_policy_reads():
 
 
 def test_scheduled_seq_kind_is_a_boolean_taken_when_scheduled():
-    from tinypaged.sched_output import ScheduledSeq
+    from tinypaged.sched.output import ScheduledSeq
 
     llm = tiny(num_gpu_blocks_override=64)
     engine = llm.llm_engine

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.server import ServerThread, create_app
+from tinypaged.entrypoints.server import ServerThread, create_app
 
 TINY_PROMPTS = [[1, 2, 3], [5, 9, 11, 13], [7], [2, 4, 6, 8, 10, 12]]
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.beam_search import beam_search, analytic_shared_blocks
-from tinypaged.block_manager import BlockManager
+from tinypaged.engine.beam_search import beam_search, analytic_shared_blocks
+from tinypaged.kv.block_manager import BlockManager
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
 
@@ -24,7 +24,7 @@ def llm():
 
 @pytest.fixture(scope="module")
 def hf():
-    from tinypaged.model_loader import tiny_hf_model
+    from tinypaged.model.loader import tiny_hf_model
 
     return tiny_hf_model().double()
 
@@ -224,12 +224,12 @@ def _broken_implementations():
         table.clear()
 
     def hash_unchained(tokens, bs):
-        from tinypaged.block_manager import hash_block_tokens
+        from tinypaged.kv.block_manager import hash_block_tokens
 
         return [hash_block_tokens(None, tokens[i * bs:(i + 1) * bs]) for i in range(len(tokens) // bs)]
 
     def hash_partial_too(tokens, bs):
-        from tinypaged.block_manager import hash_block_tokens
+        from tinypaged.kv.block_manager import hash_block_tokens
 
         out = []
         for i in range(-(-len(tokens) // bs)):
@@ -237,7 +237,7 @@ def _broken_implementations():
         return out
 
     def prefix_uncapped(tokens, bs, cache):
-        from tinypaged.block_manager import hash_chain
+        from tinypaged.kv.block_manager import hash_chain
 
         hit = []
         for h in hash_chain(tokens, bs):
@@ -247,7 +247,7 @@ def _broken_implementations():
         return hit
 
     def prefix_skips_misses(tokens, bs, cache):
-        from tinypaged.block_manager import hash_chain
+        from tinypaged.kv.block_manager import hash_chain
 
         return [cache[h] for h in hash_chain(tokens[:-1], bs) if h in cache]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.attention import ForwardContext
+from tinypaged.attention.backends import ForwardContext
 from tinypaged.lab.step_profile import CATEGORIES, profile_generate
 
 

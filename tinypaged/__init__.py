@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 from tinypaged.config import EngineConfig  # noqa: E402
 from tinypaged.llm import LLM  # noqa: E402
-from tinypaged.llm_engine import LLMEngine  # noqa: E402
+from tinypaged.engine.llm_engine import LLMEngine  # noqa: E402
 from tinypaged.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from tinypaged.sampling_params import BeamSearchParams, SamplingParams  # noqa: E402
 

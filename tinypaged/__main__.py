@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     ap = Parser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
-    from tinypaged import server
+    from tinypaged.entrypoints import server
 
     server.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
     for name in ("generate", "chat"):
@@ -79,11 +79,11 @@ def main(argv=None) -> int:
 
 def run(args) -> int:
     if args.cmd == "serve":
-        from tinypaged import server
+        from tinypaged.entrypoints import server
 
         return server.serve(args)
     if args.cmd == "prepare":
-        from tinypaged.model_loader import smollm2_folder
+        from tinypaged.model.loader import smollm2_folder
 
         print(f"SmolLM2 ready in {smollm2_folder(repair=True)}")
         return 0

@@ -85,7 +85,7 @@ class EngineConfig:
     # stage 5
     attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
     # course-only: True runs fused QKV and gate/up projections and
-    # attention_backend="torch" through scaled_dot_product_attention (tinypaged/fast_path.py); False runs
+    # attention_backend="torch" through scaled_dot_product_attention (tinypaged/model/fused.py); False runs
     # the readable reference path of lessons 1-3 (seven projections, attend_gathered). Same tokens.
     fast_path: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine

@@ -3,7 +3,7 @@
 Each is a ``typing.Protocol``: any object with these methods plugs in, so a learner's allocator,
 scheduler or kernel can drive the real engine (``LLM(kv_cache_manager=..., scheduling_policy=...,
 attention_backend=...)``). The engine checks the required methods when it is built
-(``require``) and checks the rules below while it runs (``tinypaged.scheduler.check_schedule`` and
+(``require``) and checks the rules below while it runs (``tinypaged.sched.scheduler.check_schedule`` and
 ``ModelRunner.check_slots``), so a broken plug-in fails loudly with the rule it broke instead of
 producing wrong text later.
 
@@ -14,7 +14,7 @@ Who owns what (as in vLLM v1):
 * the **scheduler** owns request progress: the queues, ``num_computed_tokens``, appending sampled
   tokens, finishing and freeing (``Scheduler.update_from_output``).
 * the **model runner** owns the device: the KV tensors, memory profiling, the forward pass.
-* the **sampler** owns token choice and stop checks (``tinypaged.sampler``).
+* the **sampler** owns token choice and stop checks (``tinypaged.sampling.sampler``).
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ class KVCacheManager(Protocol):
 class SchedulingPolicy(Protocol):
     """Chooses the next step's batch from ``scheduler.waiting`` and ``scheduler.running``.
 
-    ``schedule(scheduler)`` returns a ``tinypaged.sched_output.SchedulerOutput`` and may only change
+    ``schedule(scheduler)`` returns a ``tinypaged.sched.output.SchedulerOutput`` and may only change
     state through the scheduler's actions (``allocate``, ``admit``, ``preempt``), which keep the
     queues and the KV manager consistent. The engine then checks (``check_schedule``): each
     scheduled sequence is running and appears once; it gets between 1 and its uncomputed tokens;
     the step's tokens fit ``max_num_batched_tokens``; no more than ``max_num_seqs`` sequences run.
 
-    A plain function shaped like ``tinypaged.policies.schedule_step`` also plugs in (the engine
+    A plain function shaped like ``tinypaged.sched.policies.schedule_step`` also plugs in (the engine
     wraps it in ``PlanPolicy``): ``step(running, waiting, budget, max_num_seqs, kv)`` gets the
     scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``) and a ``kv`` with
     ``allocate(req, n) -> bool`` and ``free(req)`` acting on the real queues and cache, and returns

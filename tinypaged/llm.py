@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
 from tinypaged.config import EngineConfig
-from tinypaged.input_processor import check_batch
-from tinypaged.llm_engine import LLMEngine
+from tinypaged.engine.input_processor import check_batch
+from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.outputs import RequestOutput, StreamOutput
 from tinypaged.sampling_params import BeamSearchParams, SamplingParams
 
@@ -157,7 +157,7 @@ class LLM:
 
     def beam_search(self, prompts, params: BeamSearchParams):
         """Beam search over ``prompts`` with a ``BeamSearchParams`` (vLLM's ``LLM.beam_search``)."""
-        from tinypaged.beam_search import beam_search
+        from tinypaged.engine.beam_search import beam_search
 
         with self._generating():
             return beam_search(self.llm_engine, prompts, params)

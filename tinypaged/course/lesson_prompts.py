@@ -221,7 +221,7 @@ def load_hf(model: str, dtype: str):
     """The Hugging Face model with the weights tinypaged runs (the "tiny" twin, or SmolLM2's converted folder)."""
     import torch
 
-    from tinypaged.model_loader import smollm2_folder, tiny_hf_model
+    from tinypaged.model.loader import smollm2_folder, tiny_hf_model
 
     torch_dtype = getattr(torch, dtype)
     if model == "tiny":
@@ -232,7 +232,7 @@ def load_hf(model: str, dtype: str):
 
 
 def load_tokenizer():
-    from tinypaged.model_loader import load_tokenizer as load
+    from tinypaged.model.loader import load_tokenizer as load
 
     return load("smollm2-135m")
 
@@ -297,7 +297,7 @@ def beam_margins(model, prompt, width: int, steps: int) -> list[float]:
 
 def min_gaps(gen: Generation, model=None, tokenizer=None) -> list[float]:
     """The smallest gap (or beam margin) over all steps, one per prompt of ``gen``."""
-    from tinypaged.model_loader import eos_token_ids
+    from tinypaged.model.loader import eos_token_ids
 
     model = model if model is not None else load_hf(gen.model, gen.dtype)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypaged.block_manager import BlockManager
-from tinypaged.radix_cache import RadixKVManager, tree_nodes
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.radix_cache import RadixKVManager, tree_nodes
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence
 
@@ -146,7 +146,7 @@ def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str =
     from collections import Counter
 
     from tinypaged import LLM
-    from tinypaged.radix_policy import CacheAwareOrder
+    from tinypaged.sched.radix_policy import CacheAwareOrder
 
     calls, trees = Counter(), []
 

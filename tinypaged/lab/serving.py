@@ -248,7 +248,7 @@ def shared_weights():
     """Engines built inside share the weights of the same (model, dtype, device, seed): weights are
     read-only at inference, so a sweep over knobs need not reload the model for every setting.
     The two most recently used models stay loaded for the next sweep."""
-    import tinypaged.llm_engine as llm_engine
+    import tinypaged.engine.llm_engine as llm_engine
 
     original = llm_engine.load_model
     if original not in _cached_loaders:

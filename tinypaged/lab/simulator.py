@@ -49,9 +49,9 @@ class ModelFreeEngine:
 
     def __init__(self, config):
         from tinypaged.interfaces import KVCacheSpec
-        from tinypaged.kv_managers import build_kv_manager
-        from tinypaged.sampler import check_stop
-        from tinypaged.scheduler import Scheduler, make_policy
+        from tinypaged.kv.managers import build_kv_manager
+        from tinypaged.sampling.sampler import check_stop
+        from tinypaged.sched.scheduler import Scheduler, make_policy
 
         config.finalize(config.max_model_len or 2048)
         if config.kv_cache_tokens is not None:
@@ -75,7 +75,7 @@ class ModelFreeEngine:
         self._out = None
 
     def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
-        from tinypaged.kv_managers import check_fits
+        from tinypaged.kv.managers import check_fits
         from tinypaged.sampling_params import SamplingParams
         from tinypaged.sequence import Sequence
 

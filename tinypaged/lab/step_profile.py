@@ -23,9 +23,9 @@ from collections import defaultdict
 
 import torch.nn.functional as F
 
-import tinypaged.llm_engine as llm_engine
-from tinypaged.attention import ForwardContext
-from tinypaged.fast_path import FusedLinear
+import tinypaged.engine.llm_engine as llm_engine
+from tinypaged.attention.backends import ForwardContext
+from tinypaged.model.fused import FusedLinear
 
 CATEGORIES = ("projections", "attention", "norms/RoPE/act", "sampling", "host")
 

@@ -121,7 +121,7 @@ def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: 
     if py is None:
         raise RuntimeError(MISSING)
     if model is None:
-        from tinypaged.model_loader import smollm2_folder
+        from tinypaged.model.loader import smollm2_folder
 
         model = smollm2_folder()
     CACHE.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,7 @@ def counted_plugins(impl: dict) -> tuple[dict, dict]:
 def show_payoff(prompts, outs, max_tokens: int, counts: dict) -> None:
     """What the learner sees under the serving cell: their engine's text beside transformers', and how
     many calls went through their code."""
-    from tinypaged.model_loader import load_tokenizer
+    from tinypaged.model.loader import load_tokenizer
 
     tok = load_tokenizer(MODEL)
     want = hf_greedy(tuple(prompts), max_tokens)
@@ -107,7 +107,7 @@ def _hf_model():
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from tinypaged.model_loader import load_tokenizer, smollm2_folder
+    from tinypaged.model.loader import load_tokenizer, smollm2_folder
 
     transformers.utils.logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()

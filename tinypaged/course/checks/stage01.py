@@ -1,6 +1,6 @@
 """Stage 1 checks: reservation policies, free holes, first-fit, and a contiguous allocator with accounting.
 
-References: the engine's own ``tinypaged.contiguous`` (``reservation_tokens``, ``free_holes``, ``first_fit``
+References: the engine's own ``tinypaged.kv.contiguous`` (``reservation_tokens``, ``free_holes``, ``first_fit``
 and ``ContiguousAllocator``, the allocator inside the engine's ``ContiguousKVManager``).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from tinypaged import contiguous
+from tinypaged.kv import contiguous
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raised, raises, rng
 from tinypaged.course.checks.serving import serving_check

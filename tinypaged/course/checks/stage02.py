@@ -1,9 +1,9 @@
 """Stage 2 checks: the block allocator, block tables, slot mapping, the block-table gather, and decode
 attention over a paged cache.
 
-References: the engine's own pieces, in the exercises' shape: ``tinypaged.block_pool.BlockAllocator`` (the
-free queue inside the engine's ``BlockPool``), ``tinypaged.block_manager.BlockTables`` (the tables inside
-``BlockManager``), ``tinypaged.attention.slot_mapping`` and ``gather_kv``, and
+References: the engine's own pieces, in the exercises' shape: ``tinypaged.kv.block_pool.BlockAllocator`` (the
+free queue inside the engine's ``BlockPool``), ``tinypaged.kv.block_manager.BlockTables`` (the tables inside
+``BlockManager``), ``tinypaged.attention.backends.slot_mapping`` and ``gather_kv``, and
 ``tinypaged.kernels.paged_attention_reference``.
 """
 
@@ -13,9 +13,9 @@ import random
 
 import torch
 
-from tinypaged import attention
-from tinypaged.block_manager import BlockManager, BlockTables
-from tinypaged.block_pool import BlockAllocator, BlockPool, blocks_needed
+from tinypaged.attention import backends as attention
+from tinypaged.kv.block_manager import BlockManager, BlockTables
+from tinypaged.kv.block_pool import BlockAllocator, BlockPool, blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check
@@ -227,7 +227,7 @@ def cases_paged_attention(hidden):
 
     def one(i, h, kvh, d, bs, lens):
         def run(f, t):
-            from tinypaged.kernels import random_paged_batch
+            from tinypaged.lab.kernel_lab import random_paged_batch
 
             q, kc, vc, tables, seq_lens = random_paged_batch(lens, h, kvh, d, bs, dtype=torch.float64,
                                                              seed=(hidden or 0) + i, pad_block=0)

@@ -3,8 +3,8 @@ LRU free queue with a hash index, the longest cached prefix).
 
 The learner's data structures are plain: a block table is a list of block ids, ``refcounts`` a dict
 from block id to the number of tables holding it, ``allocator`` any object with ``allocate() -> int``
-and ``free(block_id)``. The references are the engine's own code (``tinypaged.block_manager``'s
-``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix``, ``tinypaged.block_pool``'s
+and ``free(block_id)``. The references are the engine's own code (``tinypaged.kv.block_manager``'s
+``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix``, ``tinypaged.kv.block_pool``'s
 ``BlockPool``), which take a ``BlockPool``: ``BlockPool(allocator, refcounts=refcounts)`` is the learner's
 pair seen as one, so each adapter below is one line.
 """
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import random
 
-from tinypaged import block_manager
-from tinypaged.block_manager import BlockManager
-from tinypaged.block_pool import BlockAllocator, BlockPool, hash_block_tokens, hash_chain
+from tinypaged.kv import block_manager
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.block_pool import BlockAllocator, BlockPool, hash_block_tokens, hash_chain
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check

@@ -1,6 +1,6 @@
 """Stage 4 checks: one continuous-batching step (token budget, chunked prefill, preemption, admission).
 
-The reference is ``tinypaged.policies.schedule_step``, the very function the engine runs (there it
+The reference is ``tinypaged.sched.policies.schedule_step``, the very function the engine runs (there it
 sees the scheduler's own requests and ``StepKV``; here ``PlanRequest`` objects and a ``BlockCounter``,
 without prefix caching, swapping or arrival times).
 """
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import random
 
-from tinypaged import policies
-from tinypaged.block_manager import blocks_needed
+from tinypaged.sched import policies
+from tinypaged.kv.block_manager import blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
-from tinypaged.policies import BlockCounter, PlanRequest
+from tinypaged.sched.policies import BlockCounter, PlanRequest
 
 
 def _R(rid, n):

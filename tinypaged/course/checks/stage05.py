@@ -23,13 +23,19 @@ def _k():
     return kernels
 
 
+def _kernel_lab():
+    from tinypaged.lab import kernel_lab
+
+    return kernel_lab
+
+
 def _device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton needs CUDA tensors
 
 
 # ---------------------------------------------------------------- online softmax
 
-@register("05", "online_softmax_update", reference=lambda: _k().online_softmax_update, points=1)
+@register("05", "online_softmax_update", reference=lambda: _kernel_lab().online_softmax_update, points=1)
 def cases_online_softmax_update(hidden):
     def chunks(seed, G, N, D, cuts, boost):
         def run(f, t):
@@ -81,7 +87,7 @@ _CASES = [  # (query heads, KV heads, head_dim, block size, context lengths, que
 
 def _attention_case(i, h, kvh, dim, bs, lens, mult, seed, splits=None):
     def run(impl, t):
-        from tinypaged.kernels import random_paged_batch
+        from tinypaged.lab.kernel_lab import random_paged_batch
 
         q, kc, vc, tables, seq_lens = random_paged_batch(lens, h, kvh, dim, bs, device=_device(), seed=seed,
                                                          pad_block=0)

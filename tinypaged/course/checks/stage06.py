@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from tinypaged.block_manager import blocks_needed
+from tinypaged.kv.block_manager import blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import rng
 
@@ -32,7 +32,7 @@ def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int
     return num_blocks // blocks_needed(max_model_len, block_size)
 
 
-_TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model_loader.tiny_hf_config()
+_TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model.loader.tiny_hf_config()
 
 
 def _table(what, rows):

@@ -1,7 +1,7 @@
 """Stage 7 checks: a token-granular radix tree (match with splits, insert, LRU leaf eviction under lock
 references) and the longest-prefix-match order, then both serving SmolLM2 through the engine's seams.
 
-The reference tree is ``tinypaged.radix_cache.RadixCache`` with ``page_size=1``; the learner's class has
+The reference tree is ``tinypaged.kv.radix_cache.RadixCache`` with ``page_size=1``; the learner's class has
 the same interface (``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``/``dec_lock_ref``,
 ``evictable_size``/``protected_size``, ``root`` of nodes with ``key``, ``value``, ``lock_ref``,
 ``children``). A case records what the calls return and the tree's shape, never node identities.
@@ -19,8 +19,8 @@ import random
 from tinypaged.course.checks import Case, _show, differ, plain, register
 from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
-from tinypaged.radix_cache import RadixCache, RadixKVManager
-from tinypaged.radix_policy import CacheAwareOrder, longest_prefix_first
+from tinypaged.kv.radix_cache import RadixCache, RadixKVManager
+from tinypaged.sched.radix_policy import CacheAwareOrder, longest_prefix_first
 
 
 def lpm_order(seqs: list, cached_tokens, fcfs_above: int = 128) -> list:

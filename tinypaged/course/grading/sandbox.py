@@ -48,7 +48,7 @@ def bwrap() -> str | None:
 def _readable_paths() -> list[Path]:
     """What the sandbox needs to read under a hidden home: the interpreter, its environment, the model cache,
     the repository and the package (an editable install may live anywhere)."""
-    from tinypaged import model_loader
+    from tinypaged.model import loader as model_loader
 
     import tinypaged
 
@@ -66,7 +66,7 @@ def _readable_paths() -> list[Path]:
 
 def _private_files() -> bool:
     """Whether a file the sandbox must read (the converted model) is unreadable to other users."""
-    from tinypaged import model_loader
+    from tinypaged.model import loader as model_loader
 
     root = model_loader.cache_dir()
     for dirpath, _, names in os.walk(root):
@@ -101,7 +101,7 @@ class Sandbox:
 
     def env(self) -> dict:
         """The environment inside: a private home and caches, the model where the grader keeps it, offline."""
-        from tinypaged import model_loader
+        from tinypaged.model import loader as model_loader
 
         s = str(self.scratch)
         keep = {k: v for k, v in os.environ.items()

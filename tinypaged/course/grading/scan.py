@@ -3,9 +3,9 @@
 Two kinds of finding, each with the cell, the line and what was found:
 
 * ``reuse``: the code names one of the package's reference implementations, by import
-  (``from tinypaged.attention import slot_mapping``), through a module
+  (``from tinypaged.attention.backends import slot_mapping``), through a module
   (``attention.slot_mapping``, ``import tinypaged.course.checks.stage03 as ref; ref.fork``) or by aliasing
-  (``slot_mapping = tinypaged.attention.slot_mapping``). The checks whose forbidden list names it
+  (``slot_mapping = tinypaged.attention.backends.slot_mapping``). The checks whose forbidden list names it
   score 0.
 * ``tamper``: the code changes the package or the interpreter under the grader: assigning to or
   deleting a module's attributes (monkeypatching), ``setattr`` on a module, touching the grader

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tinypaged.model import CausalLM
+from tinypaged.model.llama import CausalLM
 
 SMOLLM2 = "smollm2-135m"
 TINY = "tiny"

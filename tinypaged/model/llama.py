@@ -80,7 +80,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=getattr(hf_config, "attention_bias", False))
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = None  # fast path: a FusedLinear over [q; k; v] (tinypaged.fast_path)
+        self.qkv_proj = None  # fast path: a FusedLinear over [q; k; v] (tinypaged.model.fused)
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -103,7 +103,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
-        self.gate_up_proj = None  # fast path: a FusedLinear over [gate; up] (tinypaged.fast_path)
+        self.gate_up_proj = None  # fast path: a FusedLinear over [gate; up] (tinypaged.model.fused)
 
     def forward(self, x):
         if self.gate_up_proj is None:

@@ -1,6 +1,6 @@
 """Choosing tokens and the token rules for stopping: greedy, temperature, top-k, top-p, per-sequence
 seeds, ``min_tokens``, EOS, stop token ids and length (vLLM's semantics). Stop strings are text: the
-Detokenizer (``tinypaged.detokenizer``) owns them.
+Detokenizer (``tinypaged.engine.detokenizer``) owns them.
 
 * Until a sequence has ``min_tokens`` outputs, EOS and its ``stop_token_ids`` get -inf logits, so they
   cannot be chosen (vLLM's min-tokens logits processor), and no token stop check fires.
@@ -75,7 +75,7 @@ def check_stop(seq, eos_token_ids, max_model_len: int) -> tuple[FinishReason, in
 
     Token rules only, as vLLM's ``check_stop``: EOS (stop_reason None) and ``stop_token_ids`` (stop_reason
     the id) once ``min_tokens`` is reached, then ``max_tokens`` / ``max_model_len`` (LENGTH). Stop strings
-    are text, which the Detokenizer owns (``tinypaged.detokenizer``). Reads ``seq``, never writes it.
+    are text, which the Detokenizer owns (``tinypaged.engine.detokenizer``). Reads ``seq``, never writes it.
     """
     p = seq.params
     n_out = len(seq.output_token_ids)

@@ -13,12 +13,12 @@ import os
 
 import torch
 
-from tinypaged.attention import DecodeBatch, ForwardContext, paged_context_slots
-from tinypaged.block_manager import blocks_needed
+from tinypaged.attention.backends import DecodeBatch, ForwardContext, paged_context_slots
+from tinypaged.kv.block_manager import blocks_needed
 from tinypaged.config import CPU_DEFAULT_KV_BYTES
 from tinypaged.interfaces import InvariantError, KVCacheSpec
-from tinypaged.kv_cache import KVCacheTensors, kv_bytes_per_token
-from tinypaged.model import head_dim_of
+from tinypaged.worker.kv_cache import KVCacheTensors, kv_bytes_per_token
+from tinypaged.model.llama import head_dim_of
 
 logger = logging.getLogger("tinypaged")
 
@@ -230,9 +230,9 @@ class ModelRunner:
         """Peak memory torch holds during one forward of ``max_num_batched_tokens`` tokens (prompts of at
         most ``max_model_len``), the scratch KV cache excluded: vLLM's profiling run. It goes
         through ``prepare`` with a throw-away contiguous cache, like any step."""
-        from tinypaged.contiguous import ContiguousKVManager
+        from tinypaged.kv.contiguous import ContiguousKVManager
         from tinypaged.sampling_params import SamplingParams
-        from tinypaged.sched_output import ScheduledSeq
+        from tinypaged.sched.output import ScheduledSeq
         from tinypaged.sequence import Sequence
 
         n = max_num_batched_tokens

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypaged.block_manager import blocks_needed
-from tinypaged.sched_output import ScheduledSeq, SchedulerOutput
+from tinypaged.kv.block_manager import blocks_needed
+from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 
 
 # -- the continuous policy: one step, on plain objects ---------------------------------------------

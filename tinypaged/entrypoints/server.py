@@ -44,9 +44,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinypaged.engine_loop import EngineLoop, Event, Overloaded, ShuttingDown
+from tinypaged.entrypoints.engine_loop import EngineLoop, Event, Overloaded, ShuttingDown
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.server_metrics import ServerMetrics
+from tinypaged.entrypoints.server_metrics import ServerMetrics
 
 logger = logging.getLogger("tinypaged")
 

@@ -2,7 +2,7 @@
 
 SGLang's policy only *orders* the waiting queue (``managers/schedule_policy.py``, ``calc_priority``);
 admission then runs as usual. Here too: ``CacheAwareOrder`` hands the engine's own continuous step
-(``tinypaged.scheduler.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
+(``tinypaged.sched.scheduler.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
 ``waiting`` is reordered, and changes nothing else. Admission, the token budget, preemption and the
 checks are the inner policy's.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from tinypaged.radix_cache import tree_nodes
+from tinypaged.kv.radix_cache import tree_nodes
 
 ORDERS = ("lpm", "dfs-weight", "fcfs")
 
@@ -42,7 +42,7 @@ class _ReorderedView:
     def run_step(self, step_fn):
         """The scheduler's own ``run_step`` would read its real queue: run the step over this view (its
         actions, ``admit`` among them, are still the scheduler's)."""
-        from tinypaged.scheduler import StepKV
+        from tinypaged.sched.scheduler import StepKV
 
         return StepKV(self).run(step_fn)
 
@@ -57,7 +57,7 @@ class CacheAwareOrder:
         if fcfs_above < 0:
             raise ValueError(f"fcfs_above must be >= 0, got {fcfs_above}")
         if inner is None:
-            from tinypaged.scheduler import PlanPolicy
+            from tinypaged.sched.scheduler import PlanPolicy
 
             inner = PlanPolicy()
         self.order, self.fcfs_above, self.inner = order, fcfs_above, inner

@@ -7,8 +7,8 @@ place refuses a request that no amount of waiting would let in.
 
 from __future__ import annotations
 
-from tinypaged.block_manager import BlockManager
-from tinypaged.contiguous import ContiguousKVManager
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.contiguous import ContiguousKVManager
 from tinypaged.interfaces import KV_REQUIRED, require
 
 

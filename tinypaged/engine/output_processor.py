@@ -10,7 +10,7 @@ final when ``stop_check`` returns, so building an output never re-decides how it
 from __future__ import annotations
 
 from tinypaged.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tinypaged.sampler import check_stop
+from tinypaged.sampling.sampler import check_stop
 from tinypaged.sequence import FinishReason
 
 

@@ -3,12 +3,12 @@
 The ``Scheduler`` owns the queues (``waiting``, ``running``, and ``swapped`` for vLLM v0's swap
 preemption) and each sequence's progress: it admits, preempts, advances ``num_computed_tokens``
 after a forward, appends tokens, finishes and frees. *Which* sequences run is decided by a
-scheduling policy (``tinypaged.policies``; the contract is ``tinypaged.interfaces.SchedulingPolicy``).
+scheduling policy (``tinypaged.sched.policies``; the contract is ``tinypaged.interfaces.SchedulingPolicy``).
 
 Continuous batching is the exercise's ``schedule_step`` itself: ``run_step`` hands it the
 scheduler's own requests (``QueuedRequest``: running sequences, then swapped groups and arrived
 waiting sequences, read lazily) and a ``StepKV`` whose ``allocate`` / ``free`` act on the real
-queues and KV manager at once. The step's output is a ``tinypaged.sched_output.SchedulerOutput``.
+queues and KV manager at once. The step's output is a ``tinypaged.sched.output.SchedulerOutput``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tinypaged.interfaces import InvariantError
-from tinypaged.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
+from tinypaged.sched.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
                                 pick_victim, schedule_step)
-from tinypaged.sched_output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
+from tinypaged.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger("tinypaged")

@@ -135,39 +135,15 @@ class TritonBackend(DecodeFunctionBackend):
 
     @property
     def fn(self):
-        from tinypaged import kernels  # looked up at call time, so tests and notebooks can wrap it
+        import tinypaged.kernels  # looked up at call time, so tests and notebooks can wrap it
 
-        return kernels.paged_attention_decode
+        return tinypaged.kernels.paged_attention_decode
 
     def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         from tinypaged.kernels import reshape_and_cache
 
         bs = self.block_size
         reshape_and_cache(key, value, _blocked(key_cache, bs), _blocked(value_cache, bs), slot_mapping)
-
-
-def make_backend(choice, block_size: int, fast_path: bool = False):
-    """"torch", "triton", a decode function, or a backend object (checked against the protocol).
-    ``fast_path`` runs "torch" through torch's fused attention (``tinypaged.fast_path.SDPABackend``)."""
-    from tinypaged.interfaces import BACKEND_REQUIRED, require
-
-    if choice == "torch" and fast_path:
-        from tinypaged.fast_path import SDPABackend
-
-        return SDPABackend()
-    if choice == "torch":
-        return TorchBackend()
-    if choice == "triton":
-        return TritonBackend(block_size)
-    if isinstance(choice, type):
-        choice = choice()
-    if hasattr(choice, "decode") or hasattr(choice, "write"):
-        require(choice, BACKEND_REQUIRED, "attention_backend")
-        return choice
-    if callable(choice):
-        return DecodeFunctionBackend(choice)
-    raise TypeError(f"attention_backend={choice!r}: use 'torch', 'triton', a paged decode function or an "
-                    f"AttentionBackend object")
 
 
 @dataclass

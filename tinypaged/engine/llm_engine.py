@@ -17,21 +17,21 @@ import time
 
 import torch
 
-from tinypaged.attention import make_backend
+from tinypaged.attention.selector import make_backend
 from tinypaged.config import EngineConfig
-from tinypaged.detokenizer import Detokenizer
-from tinypaged.fast_path import fuse_projections
-from tinypaged.input_processor import InputProcessor, Request, sample_generator
+from tinypaged.engine.detokenizer import Detokenizer
+from tinypaged.model.fused import fuse_projections
+from tinypaged.engine.input_processor import InputProcessor, Request, sample_generator
 from tinypaged.interfaces import POLICY_REQUIRED, require
-from tinypaged.kv_managers import build_kv_manager
-from tinypaged.metrics import EngineMetrics, kv_waste_tokens
-from tinypaged.model_loader import eos_token_ids, load_model, load_tokenizer
-from tinypaged.model_runner import ModelRunner, memory_snapshot
-from tinypaged.output_processor import OutputProcessor
+from tinypaged.kv.managers import build_kv_manager
+from tinypaged.engine.metrics import EngineMetrics, kv_waste_tokens
+from tinypaged.model.loader import eos_token_ids, load_model, load_tokenizer
+from tinypaged.worker.model_runner import ModelRunner, memory_snapshot
+from tinypaged.engine.output_processor import OutputProcessor
 from tinypaged.outputs import StepResult
-from tinypaged.sampler import sample
+from tinypaged.sampling.sampler import sample
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.scheduler import Scheduler, make_policy
+from tinypaged.sched.scheduler import Scheduler, make_policy
 from tinypaged.sequence import FinishReason
 
 __all__ = ["LLMEngine", "Request", "StepResult", "configure_logging"]

@@ -1,6 +1,6 @@
 """Stages 2 and 3: the paged KV cache's memory manager (PagedAttention's "virtual memory").
 
-The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots (``tinypaged.block_pool``).
+The KV cache is ``num_blocks`` fixed-size blocks of ``block_size`` token slots (``tinypaged.kv.block_pool``).
 A sequence owns a *block table*: logical block i (its tokens ``i*block_size`` .. ``(i+1)*block_size - 1``)
 lives in physical block ``block_table[i]``; token p's slot is ``attention.slot_mapping``'s
 ``block_table[p // block_size] * block_size + p % block_size``.
@@ -29,10 +29,10 @@ Invariants (checked by the property tests):
 
 from __future__ import annotations
 
-from tinypaged.attention import slot_mapping
+from tinypaged.attention.backends import slot_mapping
 # ROOT_HASH and hash_block_tokens are re-exported: lessons and tests import them from here
-from tinypaged.block_pool import ROOT_HASH, BlockPool, blocks_needed, hash_block_tokens, hash_chain  # noqa: F401
-from tinypaged.swap_space import SwapSpace
+from tinypaged.kv.block_pool import ROOT_HASH, BlockPool, blocks_needed, hash_block_tokens, hash_chain  # noqa: F401
+from tinypaged.kv.swap_space import SwapSpace
 
 
 # -- stage 3: one table at a time ----------------------------------------------------------------------
@@ -237,7 +237,7 @@ class BlockManager:
         self.hashes.pop(seq.seq_id, None)
         self.swap.drop(seq.seq_id)  # a swapped-out sequence that is aborted
 
-    # -- swapping (preemption_mode="swap", vLLM v0; tinypaged.swap_space) ------------------
+    # -- swapping (preemption_mode="swap", vLLM v0; tinypaged.kv.swap_space) ------------------
     @property
     def cpu_free(self) -> list[int]:
         return self.swap.cpu_free

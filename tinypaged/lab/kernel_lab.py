@@ -7,7 +7,7 @@
 
 import torch
 
-from tinypaged.block_manager import blocks_needed
+from tinypaged.kv.block_manager import blocks_needed
 
 
 def online_softmax_update(m, l, acc, scores, values):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinypaged.kv_managers import check_fits
+from tinypaged.kv.managers import check_fits
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence
 

@@ -1,0 +1,50 @@
+"""Decode and prefill through torch's fused attention kernel (the engine's fast form of ``TorchBackend``).
+
+``TorchBackend``'s slots and masks, ``torch.nn.functional.scaled_dot_product_attention`` for the maths (one
+kernel, no [B, H, C] score tensor kept around). The engine uses it for ``attention_backend="torch"`` when
+``fast_path`` is on; tests/test_fast_path.py checks it equals the reference ``TorchBackend``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tinypaged.attention.backends import TorchBackend
+
+
+class SDPABackend(TorchBackend):
+    """``attention_backend="torch"`` on the fast path: ``TorchBackend``'s slots and masks, torch's fused
+    attention kernel. Keys a query may not see (past its context, or after it in a prefill) are masked."""
+
+    def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
+        # the runner's slot mappings hold no padding (check_slots refuses a negative slot): no mask to
+        # build; a -1 would fail loudly here (index out of range), never write a wrong slot
+        key_cache.index_copy_(0, slot_mapping, key)
+        value_cache.index_copy_(0, slot_mapping, value)
+
+    def decode(self, query, key_cache, value_cache, batch, scale: float) -> torch.Tensor:
+        b, h, d = query.shape
+        kvh = key_cache.shape[1]
+        slots = batch.context_slots.clamp(max=key_cache.shape[0] - 1).reshape(-1)  # padding past a short context
+        # index_select copies whole rows (about 3x faster than advanced indexing here): [B, KVH, C, D]
+        keys = key_cache.index_select(0, slots).view(b, -1, kvh, d).transpose(1, 2)
+        values = value_cache.index_select(0, slots).view(b, -1, kvh, d).transpose(1, 2)
+        visible = torch.arange(keys.shape[2], device=query.device) < batch.context_lens[:, None]
+        # the `group` query heads sharing a KV head stand in for query positions: a plain (non-GQA) call,
+        # which torch runs on its fused CPU kernel (enable_gqa=True takes a slower path)
+        grouped = query.reshape(b, kvh, h // kvh, d)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+        return out.reshape(b, h, d)
+
+    def prefill(self, query, keys, values, first_pos: int, scale: float) -> torch.Tensor:
+        """One chunk: query [n, H, D] at positions first_pos.. over keys/values [first_pos + n, KVH, D]."""
+        q, k, v = query.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None]
+        if first_pos == 0:  # a whole prompt (or its first chunk): the plain causal mask
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            n, c = query.shape[0], keys.shape[0]
+            visible = torch.arange(c, device=q.device)[None, :] <= torch.arange(first_pos, first_pos + n,
+                                                                                device=q.device)[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

@@ -1,0 +1,245 @@
+"""The graded parts of the solution notebooks, where they live in the package, and the student edition.
+
+What a lesson asks the learner to write is the engine's own code: every function and class that a solution
+notebook's graded cells define (nbgrader ``solution: true`` code cells) has a definition of the same name in
+the package, with the same body once docstrings, comments and annotations are set aside
+(:func:`normalized`). :func:`graded_parts` reads them from the notebooks, :func:`locate` finds each in the
+package, and ``tests/test_one_engine.py`` fails when a notebook and the package disagree.
+
+The full package is therefore also the answer key. For graded work an instructor hands out the **student
+edition** instead (``python -m tinypaged.course student-edition OUT [ASSIGNMENT ...]``): a copy of the installable
+tree (``pyproject.toml``, ``tinypaged/``, ``kernels/``) in which every function body that an assignment's solution
+cells mark with ``### BEGIN SOLUTION`` raises ``NotImplementedError`` naming the assignment and the part. Nothing
+else changes, so lessons and exercises that do not use a graded part run as before, and a learner's own
+definitions drive the engine through its plug-in seams (``kv_cache_manager=``, ``scheduling_policy=``,
+``attention_backend=``). The solution notebooks (``solutions/``) are never copied.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tinypaged.course.grading.notebook import BEGIN, END, grade_id, is_solution, source_of
+
+ROOT = Path(__file__).resolve().parents[2]
+# Where the engine's code lives (the classroom is not searched: it holds no second copy).
+PACKAGE_DIRS = ("tinypaged", "kernels")
+SKIP_DIRS = ("tinypaged/course",)
+STUB_MESSAGE = "student edition: {assignment}, part {part}: write it in the exercise (the full package has it)"
+
+
+@dataclass
+class GradedPart:
+    """One top-level definition in a graded cell of a solution notebook."""
+
+    assignment: str  # the notebook's stem, e.g. "02_block_table"
+    grade_id: str  # the cell's nbgrader grade_id
+    name: str  # the function or class name
+    node: ast.AST  # its definition, parsed from the cell
+    # functions (``name`` itself, or ``name.method`` for a class) whose body holds a solution region
+    written: list[str] = field(default_factory=list)
+
+
+def _strip_docstring(body: list) -> list:
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        return body[1:] or [ast.Pass()]
+    return body
+
+
+class _Normalize(ast.NodeTransformer):
+    """Docstrings, annotations and comments aside (comments never reach the AST)."""
+
+    def _function(self, node):
+        self.generic_visit(node)
+        node.body = _strip_docstring(node.body)
+        node.returns = None
+        args = node.args
+        for a in [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]:
+            if a is not None:
+                a.annotation = None
+        return node
+
+    visit_FunctionDef = visit_AsyncFunctionDef = _function
+
+    def visit_ClassDef(self, node):
+        self.generic_visit(node)
+        node.body = _strip_docstring(node.body)
+        return node
+
+    def visit_AnnAssign(self, node):  # `x: int = 0` -> `x = 0`; a bare `x: int` -> `x`
+        if node.value is None:
+            return ast.Expr(node.target)
+        return ast.copy_location(ast.Assign(targets=[node.target], value=node.value), node)
+
+
+def normalized(node: ast.AST) -> str:
+    """A definition's shape for comparison: its AST without docstrings and annotations."""
+    fresh = ast.parse(ast.unparse(node)).body[0]  # a private copy: the transformer edits in place
+    return ast.dump(_Normalize().visit(fresh), annotate_fields=False, include_attributes=False)
+
+
+def _solution_lines(source: str) -> list[tuple[int, int]]:
+    """1-based (begin, end) line numbers of every BEGIN/END SOLUTION region of a cell."""
+    regions, begin = [], None
+    for no, line in enumerate(source.splitlines(), start=1):
+        if line.strip() == BEGIN:
+            begin = no
+        elif line.strip() == END and begin is not None:
+            regions.append((begin, no))
+            begin = None
+    return regions
+
+
+def _written(node, regions, prefix="") -> list[str]:
+    """The functions under ``node`` whose body contains (or lies inside) a solution region."""
+    def overlaps(n):
+        return any(b <= n.end_lineno and e >= n.lineno for b, e in regions)
+
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [prefix + node.name] if overlaps(node) else []
+    if isinstance(node, ast.ClassDef):
+        out = []
+        for child in node.body:
+            out += _written(child, regions, prefix + node.name + ".")
+        return out
+    return []
+
+
+def graded_parts(solutions: Path = ROOT / "solutions", assignments=None) -> list[GradedPart]:
+    """Every top-level def or class of every graded code cell, in notebook order."""
+    parts = []
+    for nb_path in sorted(Path(solutions).glob("*.ipynb")):
+        if assignments and nb_path.stem not in assignments:
+            continue
+        nb = json.loads(nb_path.read_text())
+        for cell in nb["cells"]:
+            if cell.get("cell_type") != "code" or not is_solution(cell):
+                continue
+            source = source_of(cell)
+            regions = _solution_lines(source)
+            tree = ast.parse("\n".join("" if l.lstrip().startswith("%") else l for l in source.splitlines()))
+            for node in tree.body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    parts.append(GradedPart(nb_path.stem, grade_id(cell) or "", node.name, node,
+                                            _written(node, regions)))
+    return parts
+
+
+def package_definitions(root: Path = ROOT) -> dict[str, list[tuple[Path, ast.AST]]]:
+    """name -> [(file, top-level definition)] over the engine's code (tinypaged/ but the classroom, kernels/)."""
+    found: dict[str, list] = {}
+    for top in PACKAGE_DIRS:
+        for path in sorted((root / top).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith(SKIP_DIRS):
+                continue
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    found.setdefault(node.name, []).append((path, node))
+    return found
+
+
+def locate(part: GradedPart, definitions) -> tuple[str, Path | None]:
+    """("same", file) when the package defines the part with the same body; ("differs", file) when only its name
+    matches; ("missing", None) when the package has no definition of that name."""
+    candidates = definitions.get(part.name, [])
+    if not candidates:
+        return "missing", None
+    want = normalized(part.node)
+    for path, node in candidates:
+        if normalized(node) == want:
+            return "same", path
+    return "differs", candidates[0][0]
+
+
+# ---------------------------------------------------------------- the student edition
+
+def _find(tree: ast.Module, dotted: str):
+    node, body = None, tree.body
+    for name in dotted.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == name), None)
+        if node is None:
+            return None
+        body = node.body
+    return node
+
+
+def stub_file(text: str, stubs: list[tuple[str, str]]) -> str:
+    """Replace the body of each (dotted function name, message) in ``text`` by ``raise NotImplementedError``,
+    keeping its signature, decorators and docstring. Bodies are cut by line, bottom first."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    cuts = []
+    for dotted, message in stubs:
+        fn = _find(tree, dotted)
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            raise LookupError(f"{dotted} is not a function of this file")
+        body = fn.body
+        keep = 1 if _strip_docstring(body) is not body else 0
+        first = body[keep] if keep < len(body) else None
+        if first is None:  # only a docstring: add the stub after it
+            start = end = body[0].end_lineno
+        else:
+            start, end = first.lineno - 1, body[-1].end_lineno
+        if first is not None and first.lineno == fn.lineno:
+            raise ValueError(f"{dotted}: a one-line body cannot be stubbed by line; give it its own line")
+        indent = " " * (first.col_offset if first is not None else body[0].col_offset)
+        cuts.append((start, end, f"{indent}raise NotImplementedError({message!r})\n"))
+    for start, end, stub in sorted(cuts, reverse=True):
+        lines[start:end] = [stub]
+    out = "".join(lines)
+    ast.parse(out)  # still Python
+    return out
+
+
+def plan(root: Path = ROOT, assignments=None) -> dict[Path, list[tuple[str, str]]]:
+    """file -> [(dotted function, message)] for every written part of the chosen assignments found in the package."""
+    definitions = package_definitions(root)
+    todo: dict[Path, list] = {}
+    for part in graded_parts(root / "solutions", assignments):
+        for path, node in definitions.get(part.name, []):
+            for dotted in part.written:
+                if _find(ast.Module(body=[node], type_ignores=[]), dotted) is not None:
+                    message = STUB_MESSAGE.format(assignment=part.assignment, part=dotted)
+                    todo.setdefault(path, []).append((dotted, message))
+    return todo
+
+
+def _edition_path(rel: Path) -> Path:
+    return Path("tinypaged", *rel.parts) if rel.parts[0] == "kernels" else rel
+
+
+def write(out: Path, assignments=None, root: Path = ROOT) -> dict[str, list[str]]:
+    """Write the student edition into ``out`` (which must not exist); returns file -> stubbed functions."""
+    out = Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; the student edition is written into a new folder")
+    known = {p.stem for p in (root / "solutions").glob("*.ipynb")}
+    unknown = set(assignments or ()) - known
+    if unknown:
+        raise ValueError(f"no solution notebook for {sorted(unknown)}; known: {sorted(known)}")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
+    out.mkdir(parents=True)
+    # a plain package: kernels/ goes inside tinypaged/, so the edition imports from a folder on PYTHONPATH as
+    # well as from `pip install OUT` (its pyproject.toml loses the mapping of tinypaged.kernels to kernels/)
+    shutil.copytree(root / "tinypaged", out / "tinypaged", ignore=ignore, symlinks=False)
+    shutil.copytree(root / "kernels", out / "tinypaged" / "kernels", ignore=ignore, symlinks=False)
+    shutil.copy2(root / "README.md", out / "README.md")
+    pyproject = (root / "pyproject.toml").read_text()
+    (out / "pyproject.toml").write_text(pyproject.replace(', "tinypaged.kernels" = "kernels"', ""))
+    report = {}
+    for path, stubs in plan(root, assignments).items():
+        rel = path.relative_to(root)
+        target = out / _edition_path(rel)
+        target.write_text(stub_file(target.read_text(), stubs))
+        report[_edition_path(rel).as_posix()] = [d for d, _ in stubs]
+    (out / "STUDENT_EDITION.txt").write_text(
+        "tinypaged, student edition: the bodies below raise NotImplementedError; the exercises ask for them.\n"
+        + "".join(f"{f}: {', '.join(fns)}\n" for f, fns in sorted(report.items())))
+    return report
