@@ -1,11 +1,12 @@
 """Triton kernels, importable as ``tinypaged.kernels`` (this folder is mapped there by pyproject.toml).
 
 Without Triton (macOS, Windows: ``tinypaged.triton_mode.AVAILABLE`` is False) the PyTorch references and the
-teaching helpers still import; the two Triton kernels are stand-ins that raise ``TritonUnavailable``, saying why.
+specs still import; the two Triton launchers are stand-ins that raise ``TritonUnavailable``, saying why.
 """
 
 from tinypaged import triton_mode
-from tinypaged.kernels.reference import gather_then_attend, paged_attention_reference, reshape_and_cache_reference
+from tinypaged.kernels.reference import (gather_then_attend, merge_splits_reference, online_softmax_update,
+                                        paged_attention_reference, reshape_and_cache_reference)
 
 if triton_mode.AVAILABLE:
     from tinypaged.kernels.paged_attention import paged_attention_decode
@@ -23,6 +24,8 @@ __all__ = [
     "paged_attention_decode",
     "paged_attention_reference",
     "gather_then_attend",
+    "online_softmax_update",
+    "merge_splits_reference",
     "reshape_and_cache",
     "reshape_and_cache_reference",
 ]

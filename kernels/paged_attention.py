@@ -17,11 +17,15 @@ Three implementations with one signature
   pages into padded contiguous tensors, then run ordinary masked attention.
   Correct and vectorised, but it reads the context twice and writes it once.
   (These two are PyTorch only and live in ``reference.py``, importable without Triton.)
-* :func:`paged_attention_decode` - the Triton kernel: it looks up block ids itself
-  and reads each cached K/V vector exactly once (FlashAttention-style online softmax).
+* :func:`paged_attention_decode` - the Triton kernels: :func:`paged_attention_kernel` looks up
+  block ids itself and reads each cached K/V vector exactly once (FlashAttention-style online
+  softmax); :func:`merge_splits_kernel` merges split-K partitions.
 
-Decode attention is memory-bound: per query head it does ~2 FLOPs per K/V element
-loaded. So the kernel is organised around *reading the cache once*:
+The two kernels are the ones a learner writes in stage 5's assignment
+(``solutions/05_triton_paged_attention.ipynb``), line for line; this file adds the launcher that
+the engine calls (``attention_backend="triton"``): it picks the tile and the split count and checks
+the layout. Decode attention is memory-bound (per query head ~2 FLOPs per K/V element loaded), so
+the kernel is organised around *reading the cache once*:
 
 * Grouped-query attention: one program per (sequence, KV head) handles all the query
   heads that share that KV head, so each K/V tile is loaded once for the whole group.
@@ -36,11 +40,14 @@ import triton
 import triton.language as tl
 
 from tinypaged.kernels.reference import check_decode_args as _check
+from tinypaged.kernels.reference import check_kernel_layout
 from tinypaged.kernels.reference import gather_then_attend, paged_attention_reference  # noqa: F401 (re-exported)
 
-# Tokens handled per loop iteration of the attention kernel. Independent of the
-# page size: a tile may span several small pages or part of a big one.
-TILE_TOKENS = 64
+# Tokens per loop iteration of the attention kernel, independent of the page size (a tile may
+# span several small pages or part of a big one): as many as keep a tile's [GROUP_PAD, TILE_N,
+# HEAD_DIM] products within TILE_ELEMENTS (registers, on a GPU), at most MAX_TILE_TOKENS.
+MAX_TILE_TOKENS = 64
+TILE_ELEMENTS = 8192
 # Split-K heuristic (see _choose_num_splits).
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
@@ -48,134 +55,99 @@ MAX_SPLITS = 64
 # the SM count of an H100/H200, so the choice matches the course's target GPU.
 _DEFAULT_SM_COUNT = 132
 
-_LOG2E = 1.4426950408889634
-
 
 @triton.jit
-def _paged_attention_kernel(
-    out_ptr, max_ptr, sum_ptr,
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    qk_scale,  # softmax scale * log2(e): we use exp2, which is cheaper than exp
-    stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_kt, stride_kh, stride_kd,
-    stride_vb, stride_vt, stride_vh, stride_vd,
-    stride_bts, stride_btb,
-    stride_os, stride_oh, stride_op, stride_od,
-    stride_ms, stride_mh, stride_mp,
-    BLOCK_SIZE: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    TILE_N: tl.constexpr,
-    SPLIT: tl.constexpr,          # True: write partial results for the reduce kernel
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 so the GPU does not round to TF32
-    ACC_DTYPE: tl.constexpr,      # softmax state: fp32, or fp64 for fp64 inputs
+def paged_attention_kernel(
+    out_ptr, m_ptr, l_ptr,                   # partial outputs [num_seqs, num_heads, num_splits, head_dim], m/l [.., num_splits]
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, scale,
+    stride_qs, stride_qh,                    # query [num_seqs, num_heads, head_dim]
+    stride_kb, stride_kt, stride_kh,         # caches [num_blocks, block_size, num_kv_heads, head_dim]
+    stride_bts,                              # block_tables [num_seqs, max_blocks]
+    stride_os, stride_oh, stride_op,         # partial outputs
+    stride_ms, stride_mh,                    # m and l
+    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
+    ACC_DTYPE: tl.constexpr,                 # the running softmax's dtype: float32 (float64 for float64 inputs)
 ):
+    """One program per (sequence, KV head, split): the online softmax over this split's tokens, read
+    through the block table, for the query heads that share the KV head. Stores the split's output
+    (already divided by its own sum) and its m and l for :func:`merge_splits_kernel`."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-
-    # Each sequence divides its *own* context evenly among the splits (rounded to
-    # whole tiles), so no host-side maximum length is needed and short sequences
-    # simply leave their last splits empty.
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    # This program's share of the context: whole tiles, so splits never share a tile.
+    per_split = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), TILE_N) * TILE_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
 
-    # The query heads of this KV group, padded to GROUP_PAD rows (tl.dot needs >= 16).
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
-    heads = kv_head * QUERIES_PER_KV + g
+    g = tl.arange(0, GROUP_PAD)                  # query rows of this KV group (padded to a power of 2)
+    d = tl.arange(0, HEAD_DIM)
     g_mask = g < QUERIES_PER_KV
-    d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    heads = kv_head * QUERIES_PER_KV + g
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None],
+                other=0.0).to(ACC_DTYPE)
 
-    # Online softmax state: fp32 for 16/32-bit inputs, fp64 for fp64 (exact tests).
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=ACC_DTYPE)    # running max (log2 units)
-    l_i = tl.zeros([GROUP_PAD], dtype=ACC_DTYPE)                  # running sum of exp2
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], dtype=ACC_DTYPE)         # running sum of p * v
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=ACC_DTYPE)
+    l_i = tl.zeros([GROUP_PAD], dtype=ACC_DTYPE)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=ACC_DTYPE)
 
-    bt_row = block_tables_ptr + seq * stride_bts
     for tile_start in range(start, end, TILE_N):
         tok = tile_start + tl.arange(0, TILE_N)
         t_mask = tok < end
-        # The paging step: logical token -> physical block id -> address.
-        # int64 because block * stride overflows int32 in caches over 2 GiB elements.
-        block = tl.load(bt_row + (tok // BLOCK_SIZE) * stride_btb, mask=t_mask, other=0).to(tl.int64)
-        offset = tok % BLOCK_SIZE
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + offset[:, None] * stride_kt
-                    + kv_head * stride_kh + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [GROUP_PAD, TILE_N]
+        # int64: block * stride_kb can exceed 2**31 in a large cache.
+        block = tl.load(block_tables_ptr + seq * stride_bts + tok // BLOCK_SIZE, mask=t_mask, other=0).to(tl.int64)
+        row = tok % BLOCK_SIZE
+        kv = block[:, None] * stride_kb + row[:, None] * stride_kt + kv_head * stride_kh + d[None, :]
+        k = tl.load(k_cache_ptr + kv, mask=t_mask[:, None], other=0.0)      # [TILE_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + kv, mask=t_mask[:, None], other=0.0)
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale           # [GROUP_PAD, TILE_N]
         s = tl.where(t_mask[None, :], s, float("-inf"))
-
-        # Every tile holds at least one real token, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)          # rescales what was accumulated so far
-        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vt
-                    + kv_head * stride_vh + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
-    # An empty split (or an empty sequence) has l_i == 0: emit zeros, not NaNs.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_op + d[None, :] * stride_od
-    o_mask = g_mask[:, None] & d_mask[None, :]
-    if SPLIT:
-        # Partial output (already normalised by its own sum) plus the softmax
-        # statistics the reduce kernel needs to reweight it.
-        tl.store(o_ptrs, out, mask=o_mask)
-        stat_off = seq * stride_ms + heads * stride_mh + split * stride_mp
-        tl.store(max_ptr + stat_off, m_i, mask=g_mask)
-        tl.store(sum_ptr + stat_off, l_i, mask=g_mask)
-    else:
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split stores zeros, l = 0 and m = -inf
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + split * stride_op + d[None, :], out,
+             mask=g_mask[:, None])
+    tl.store(m_ptr + seq * stride_ms + heads * stride_mh + split, m_i, mask=g_mask)
+    tl.store(l_ptr + seq * stride_ms + heads * stride_mh + split, l_i, mask=g_mask)
 
 
 @triton.jit
-def _split_reduce_kernel(
-    out_ptr, partial_ptr, max_ptr, sum_ptr,
-    stride_os, stride_oh, stride_od,
-    stride_ps, stride_ph, stride_pp, stride_pd,
-    stride_ms, stride_mh, stride_mp,
-    num_splits,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+def merge_splits_kernel(
+    out_ptr, partial_ptr, m_ptr, l_ptr,
+    stride_os, stride_oh,                    # out [num_seqs, num_heads, head_dim]
+    stride_ps, stride_ph, stride_pp,         # partial [num_seqs, num_heads, num_splits, head_dim]
+    stride_ms, stride_mh,                    # m, l [num_seqs, num_heads, num_splits]
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # One program per (sequence, query head): merge the partitions' results.
+    """One program per (sequence, query head): merge the splits' outputs. Split i computed
+    o_i = sum_j exp(s_j - m_i) v_j / l_i; brought to the largest max M, its weight is
+    w_i = l_i exp(m_i - M), and out = sum_i w_i o_i / sum_i w_i (empty splits: w_i = 0)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     p = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, DIM_PAD)
+    d = tl.arange(0, HEAD_DIM)
     p_mask = p < num_splits
-
-    stat_off = seq * stride_ms + head * stride_mh + p * stride_mp
-    m = tl.load(max_ptr + stat_off, mask=p_mask, other=float("-inf"))
-    l = tl.load(sum_ptr + stat_off, mask=p_mask, other=0.0)
-    # Split i computed o_i = sum_j exp2(s_j - m_i) v_j / l_i. Bringing every split to the
-    # global max M: weight_i = l_i * exp2(m_i - M); out = sum_i weight_i o_i / sum_i weight_i.
-    m_global = tl.max(m, axis=0)
-    m_global = tl.where(m_global > float("-inf"), m_global, 0.0)  # all splits empty: avoid -inf - -inf
-    weight = tl.where(l > 0, l * tl.exp2(m - m_global), 0.0)   # empty splits contribute nothing
-    total = tl.sum(weight, axis=0)
-
-    o = tl.load(partial_ptr + seq * stride_ps + head * stride_ph + p[:, None] * stride_pp + d[None, :] * stride_pd,
-                mask=p_mask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(weight[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + d * stride_od,
-             out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    m = tl.load(m_ptr + seq * stride_ms + head * stride_mh + p, mask=p_mask, other=float("-inf"))
+    l = tl.load(l_ptr + seq * stride_ms + head * stride_mh + p, mask=p_mask, other=0.0)
+    o = tl.load(partial_ptr + seq * stride_ps + head * stride_ph + p[:, None] * stride_pp + d[None, :],
+                mask=p_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all > float("-inf"), m_all, 0.0)  # every split empty: avoid -inf - -inf
+    w = tl.where(l > 0, l * tl.exp(m - m_all), 0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + d, out)  # the store casts to out's dtype
 
 
-def _dot_precision(dtype) -> str:
-    """``tl.dot``'s precision: IEEE for fp32/fp64, so a GPU does not round the inputs to TF32 (10-bit
-    mantissa) and the fp32 kernel stays within the checks' 1e-4 of the fp32 reference. 16-bit inputs
-    are multiplied exactly by the tensor cores anyway (the argument is ignored for them)."""
-    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+def _tile_tokens(group_pad: int, head_dim: int) -> int:
+    """TILE_N for :func:`paged_attention_kernel` (a power of two, as both arguments are)."""
+    return max(1, min(MAX_TILE_TOKENS, TILE_ELEMENTS // (group_pad * head_dim)))
 
 
 def _sm_count(device) -> int:
@@ -206,60 +178,49 @@ def paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens
     query [num_seqs, num_heads, head_dim]; key_cache/value_cache
     [num_blocks, block_size, num_kv_heads, head_dim]; block_tables int32
     [num_seqs, max_blocks_per_seq]; seq_lens int32 [num_seqs]. Returns
-    [num_seqs, num_heads, head_dim] in query's dtype.
+    [num_seqs, num_heads, head_dim] in query's dtype. ``head_dim`` must be a power of two.
 
     ``num_splits=None`` chooses the split-K partition count from the batch shape
-    (1, the single-pass kernel, for short contexts or large batches). The context
-    length used for that choice is the block table's width times the block size,
-    an upper bound that needs no device-to-host sync.
+    (1, no merge, for short contexts or large batches). The context length used for
+    that choice is the block table's width times the block size, an upper bound that
+    needs no device-to-host sync.
     """
     _check(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    queries_per_kv = num_heads // num_kv_heads
+    check_kernel_layout(head_dim, key_cache, value_cache)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits={num_splits!r}: give a whole number >= 1, or None to choose")
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-
     if num_splits is None:
         num_splits = _choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
                                         _sm_count(query.device))
-    assert num_splits >= 1
 
-    meta = dict(
-        BLOCK_SIZE=block_size,
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
-        HEAD_DIM=head_dim, DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        TILE_N=TILE_TOKENS,
-        DOT_PRECISION=_dot_precision(query.dtype),
-        ACC_DTYPE=tl.float64 if query.dtype == torch.float64 else tl.float32,
-    )
-    grid = (num_seqs, num_kv_heads, num_splits)
-    common = (query, key_cache, value_cache, block_tables, seq_lens, scale * _LOG2E,
-              *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride())
-
-    if num_splits == 1:
-        # Single pass: write the final output directly; max/sum pointers unused.
-        _paged_attention_kernel[grid](
-            out, out, out, *common,
-            out.stride(0), out.stride(1), 0, out.stride(2),
-            0, 0, 0,
-            SPLIT=False, **meta)
-        return out
-
+    if query.stride(-1) != 1:  # a view whose rows are not contiguous (a slice of q's heads is fine as it is)
+        query = query.contiguous()
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # The softmax state and the partial outputs: fp32 for 16/32-bit inputs, fp64 for fp64 (exact tests).
     acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     partial = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=acc_dtype, device=query.device)
     maxes = torch.empty(num_seqs, num_heads, num_splits, dtype=acc_dtype, device=query.device)
     sums = torch.empty_like(maxes)
-    _paged_attention_kernel[grid](
-        partial, maxes, sums, *common,
-        *partial.stride(), *maxes.stride(),
-        SPLIT=True, **meta)
-    _split_reduce_kernel[(num_seqs, num_heads)](
-        out, partial, maxes, sums,
-        *out.stride(), *partial.stride(), *maxes.stride(),
-        num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+    paged_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        partial, maxes, sums, query, key_cache, value_cache, block_tables, seq_lens, scale,
+        query.stride(0), query.stride(1), *key_cache.stride()[:3], block_tables.stride(0),
+        *partial.stride()[:3], *maxes.stride()[:2],
+        BLOCK_SIZE=block_size, QUERIES_PER_KV=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, TILE_N=_tile_tokens(group_pad, head_dim),
+        ACC_DTYPE=tl.float64 if acc_dtype == torch.float64 else tl.float32,
+    )
+    if num_splits == 1:  # the one partition is the answer
+        return out.copy_(partial[:, :, 0])
+    merge_splits_kernel[(num_seqs, num_heads)](
+        out, partial, maxes, sums, out.stride(0), out.stride(1), *partial.stride()[:3], *maxes.stride()[:2],
+        num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
     )
     return out

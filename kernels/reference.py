@@ -3,6 +3,11 @@
 * :func:`paged_attention_reference` - decode attention as a Python loop over sequences: the readable spec.
 * :func:`gather_then_attend` - the baseline: copy every sequence's K/V out of the pages into padded
   contiguous tensors, then ordinary masked attention.
+* :func:`online_softmax_update` - one step of the online softmax, the recurrence at the heart of
+  ``paged_attention_kernel`` (and every FlashAttention-style kernel), written with torch so it can be read
+  and tested on its own: the kernel's loop body, in stage 5's part 1.
+* :func:`merge_splits_reference` - what ``merge_splits_kernel`` computes: split-K partitions merged by their
+  maxima and sums.
 * :func:`reshape_and_cache_reference` - the cache write in three lines of indexing: the spec.
 
 The Triton kernels in ``paged_attention.py`` and ``reshape_and_cache.py`` share these argument checks and are
@@ -34,6 +39,17 @@ def check_cache_write_args(key, value, key_cache, value_cache, slot_mapping):
     assert key_cache.shape[2:] == key.shape[1:], "cache and key disagree on (num_kv_heads, head_dim)"
     assert slot_mapping.shape == (key.shape[0],), "one slot per token"
     assert not slot_mapping.is_floating_point(), "slot_mapping must be an integer tensor"
+
+
+def check_kernel_layout(head_dim, key_cache, value_cache):
+    """What the Triton kernels assume beyond the shapes: ``tl.arange(0, HEAD_DIM)`` spans a power of two, and
+    both caches share one layout with contiguous rows (the engine's caches are views of one tensor)."""
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim={head_dim}: the Triton kernels need a power of two; use "
+                         "attention_backend=\"torch\" for this model")
+    if key_cache.stride() != value_cache.stride() or key_cache.stride(-1) != 1:
+        raise ValueError(f"key_cache/value_cache: the Triton kernels need one layout for both, with contiguous "
+                         f"rows (strides {key_cache.stride()} and {value_cache.stride()})")
 
 
 def paged_attention_reference(query, key_cache, value_cache, block_tables, seq_lens, scale, num_splits=None):
@@ -96,6 +112,35 @@ def gather_then_attend(query, key_cache, value_cache, block_tables, seq_lens, sc
     probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.einsum("skgn,snkd->skgd", probs, v.to(compute))
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def online_softmax_update(m, l, acc, scores, values):
+    """Fold one chunk of keys into a running softmax-weighted sum, without revisiting old chunks.
+
+    For G query rows: ``m`` [G] is the largest score seen so far (-inf before any), ``l`` [G] the
+    sum of ``exp(score - m)`` so far, ``acc`` [G, D] the sum of ``exp(score - m) * value``.
+    ``scores`` [G, N] are this chunk's (already scaled) scores, ``values`` [N, D] its values.
+    Returns the new ``(m, l, acc)``. Invariant: after the last chunk, ``acc / l[:, None]``
+    equals ``softmax(all scores) @ all values``. Inputs are not modified.
+    """
+    m_new = torch.maximum(m, scores.max(dim=1).values)
+    alpha = torch.exp(m - m_new)  # how much the old terms shrink under the new max (0 at the start)
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ values
+
+
+def merge_splits_reference(partial, maxes, sums):
+    """Merge split-K partial results: split i holds ``o_i = sum_j exp(s_j - m_i) v_j / l_i`` with its max
+    ``m_i`` and sum ``l_i`` (natural-log units); empty splits have ``l_i = 0`` and ``m_i = -inf``.
+
+    partial [S, H, P, D], maxes/sums [S, H, P] -> [S, H, D]:
+    ``out = sum_i w_i o_i / sum_i w_i`` with ``w_i = l_i exp(m_i - max_i m_i)``.
+    """
+    m_global = maxes.max(dim=-1, keepdim=True).values
+    m_global = torch.where(torch.isfinite(m_global), m_global, torch.zeros_like(m_global))
+    w = torch.where(sums > 0, sums * torch.exp(maxes - m_global), torch.zeros_like(sums))
+    total = w.sum(dim=-1, keepdim=True)
+    return (w[..., None] * partial).sum(dim=-2) / torch.where(total > 0, total, torch.ones_like(total))
 
 
 def reshape_and_cache_reference(key, value, key_cache, value_cache, slot_mapping):

@@ -17,65 +17,55 @@ Two implementations, same contract:
 
 * :func:`reshape_and_cache_reference` - three lines of PyTorch indexing: the spec (in ``reference.py``,
   importable without Triton).
-* :func:`reshape_and_cache` - a Triton kernel, one program per token.
+* :func:`reshape_and_cache` - the Triton kernel :func:`reshape_and_cache_kernel`, one program per token (the
+  one a learner writes in stage 5's assignment, line for line) and its launcher.
 """
 
-import torch
 import triton
 import triton.language as tl
 
 from tinypaged.kernels.reference import check_cache_write_args as _check
+from tinypaged.kernels.reference import check_kernel_layout
 from tinypaged.kernels.reference import reshape_and_cache_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit
-def _reshape_and_cache_kernel(
+def reshape_and_cache_kernel(
     key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_kd,            # key   [num_tokens, num_kv_heads, head_dim]
-    stride_vt, stride_vh, stride_vd,            # value [num_tokens, num_kv_heads, head_dim]
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,  # key_cache   [blocks, block_size, heads, dim]
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,  # value_cache [blocks, block_size, heads, dim]
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    stride_kt, stride_kh,                    # key, value [num_tokens, num_kv_heads, head_dim]
+    stride_cb, stride_ct, stride_ch,         # caches [num_blocks, block_size, num_kv_heads, head_dim]
+    NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
+    """One program per token: copy its key and value (all KV heads) to its slot. Padding tokens (slot -1)
+    are masked out of the store rather than returned from, which keeps the kernel branch-free; the store
+    casts to the cache's dtype (e.g. fp32 activations into an fp16 cache)."""
     token = tl.program_id(0)
-    # int64: block_id * stride can exceed 2**31 in a large cache.
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    # Padding tokens (-1) are masked out of the store rather than returned from,
-    # which keeps the kernel branch-free.
-    is_real = slot >= 0
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-
     h = tl.arange(0, HEADS_PAD)[:, None]
-    d = tl.arange(0, DIM_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM) & is_real
-
-    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d * stride_kd, mask=mask)
-    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + d * stride_vd, mask=mask)
-
-    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + h * stride_kch + d * stride_kcd
-    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + h * stride_vch + d * stride_vcd
-    # The cache may use a narrower dtype than the activations (e.g. fp16 cache).
-    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: block * stride_cb can exceed 2**31
+    mask = (h < NUM_KV_HEADS) & (slot >= 0)
+    src = token * stride_kt + h * stride_kh + d
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + h * stride_ch + d
+    tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+    tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
     """Scatter ``key``/``value`` [num_tokens, num_kv_heads, head_dim] into the caches, in place.
 
     ``slot_mapping`` (integer, [num_tokens]): ``block_id * block_size + offset``; -1 skips the token.
+    ``head_dim`` must be a power of two, and the caches must share one layout with contiguous rows.
     """
     _check(key, value, key_cache, value_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
+    check_kernel_layout(head_dim, key_cache, value_cache)
     if num_tokens == 0:
         return
-    block_size = key_cache.shape[1]
-    _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=block_size,
+    if key.stride() != value.stride() or key.stride(-1) != 1:  # the kernel reads both with key's strides
+        key, value = key.contiguous(), value.contiguous()
+    slot_mapping = slot_mapping.contiguous()
+    reshape_and_cache_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, key.stride(0), key.stride(1), *key_cache.stride()[:3],
+        NUM_KV_HEADS=num_kv_heads, HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
     )

@@ -39,7 +39,7 @@ def ceil_div(a, b):
 
 
 def snapshot(bm: BlockManager):
-    return (list(bm.pool.allocator), {k: list(v) for k, v in bm.tables.items()}, dict(bm.pool.refcounts))
+    return (list(bm.allocator.queue), {k: list(v) for k, v in bm.tables.items()}, dict(bm.refcounts))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -87,11 +87,11 @@ class AllocatorMachine(RuleBasedStateMachine):
     def every_block_accounted_for(self):
         owned = [b for blocks in self.bm.tables.values() for b in blocks]
         assert len(owned) == len(set(owned)), f"a block is owned twice without sharing: {sorted(owned)}"
-        free = set(self.bm.pool.allocator)
+        free = set(self.bm.allocator.queue)
         assert not free & set(owned), f"blocks both free and owned: {free & set(owned)}"
         assert len(free) + len(owned) == self.bm.num_blocks, "free + referenced must equal num_blocks"
         for b in range(self.bm.num_blocks):
-            assert self.bm.pool.ref_count(b) == (0 if b in free else 1)
+            assert self.bm.ref_count(b) == (0 if b in free else 1)
 
     @invariant()
     def tables_hold_exactly_ceil_length(self):
@@ -289,3 +289,67 @@ def test_stage02_checks_say_not_implemented():
 def test_stage02_checks_registered_for_the_notebook():
     targets = {c.target for c in checks.checks_for_stage("02")}
     assert {"BlockAllocator", "BlockTables", "slot_mapping", "gather_kv"} <= targets
+
+
+# -- the engine's manager is built from the lesson's parts; other parts drop in through BlockManager.factory --
+def test_paged_attention_reference_matches_the_kernels_reference():
+    """Stage 2's torch decode (``attention.backends.paged_attention``) equals tinypaged.kernels' reference."""
+    from tinypaged.attention.backends import paged_attention
+    from tinypaged.kernels import paged_attention_reference
+    from tinypaged.lab.kernel_lab import random_paged_batch
+
+    for lens, h, kvh, bs in (([5], 2, 2, 4), ([1, 8, 13], 4, 2, 4), ([20, 3, 9], 9, 3, 8)):
+        q, kc, vc, tables, seq_lens = random_paged_batch(lens, h, kvh, 8, bs, dtype=torch.float64, seed=len(lens))
+        assert torch.allclose(paged_attention(q, kc, vc, tables, seq_lens, 0.3),
+                              paged_attention_reference(q, kc, vc, tables, seq_lens, 0.3), atol=1e-12)
+
+
+def test_gather_kv_reads_a_batch_of_tables_at_once():
+    cache = torch.randn(8, 4, 2, 3, dtype=torch.float64)
+    tables = torch.tensor([[3, 1, 0], [6, 2, 5]])
+    both = gather_kv(cache, tables, 9)
+    assert both.shape == (2, 9, 2, 3)
+    assert torch.equal(both[0], gather_kv(cache, [3, 1, 0], 9)) and torch.equal(both[1], gather_kv(cache, [6, 2, 5], 9))
+
+
+def test_factory_runs_the_given_parts_and_nothing_changes():
+    """A learner's allocator and tables (here: the package's, counting their calls) serve through
+    ``LLM(kv_cache_manager=BlockManager.factory(...))``: same tokens, and every block went through them."""
+    from tinypaged import LLM, SamplingParams
+    from tinypaged.kv.block_manager import BlockTables
+    from tinypaged.kv.block_pool import BlockAllocator
+
+    calls = {"allocate": 0, "free": 0, "allocate_slots": 0}
+
+    class Allocator(BlockAllocator):
+        def allocate(self):
+            calls["allocate"] += 1
+            return super().allocate()
+
+        def free(self, block_id):
+            calls["free"] += 1
+            super().free(block_id)
+
+    class Tables(BlockTables):
+        def allocate_slots(self, seq_id, num_tokens):
+            calls["allocate_slots"] += 1
+            return super().allocate_slots(seq_id, num_tokens)
+
+    kw = dict(model="tiny", dtype="float64", device="cpu", block_size=4, num_gpu_blocks_override=32)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 9, 14)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, greedy)]
+    llm = LLM(**kw, kv_cache_manager=BlockManager.factory(BlockAllocator=Allocator, BlockTables=Tables))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+    kv = llm.llm_engine.kv
+    assert type(kv.allocator) is Allocator and type(kv.block_tables) is Tables
+    assert calls["allocate"] == calls["free"] > 0 and calls["allocate_slots"] > 0 and kv.usage == 0
+
+
+def test_factory_refuses_an_unknown_part_before_any_work():
+    with pytest.raises(TypeError, match="no part 'Allocator'.*BlockAllocator"):
+        BlockManager.factory(Allocator=object)
+    with pytest.raises(TypeError, match="no part 'fork_table'"):
+        BlockManager(4, 4, fork_table=lambda t, r: t)
+    with pytest.raises(ValueError, match="num_blocks=0"):
+        BlockManager(0, 4)

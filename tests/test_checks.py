@@ -92,7 +92,7 @@ def _stage07_given_and_solution_cells() -> dict:
         if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in ("setup", "RadixTree", "lpm_order"):
             exec(compile(source_of(cell), "<solutions/07 cell>", "exec"), ns)
     tree = ns["RadixTree"]
-    ns["plugins"] = {"kv_cache_manager": RadixKVManager.factory(page_size=1, tree_factory=lambda page_size: tree()),
+    ns["plugins"] = {"kv_cache_manager": RadixKVManager.factory(page_size=1, tree_factory=tree),
                      "scheduling_policy": CacheAwareOrder(order=ns["lpm_order"])}
     return ns
 
@@ -104,7 +104,7 @@ def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
     from tinypaged.course.checks.serving import check_plugins
     from tinypaged.course.checks.stage07 import _preflight
     from tinypaged.kv.radix_cache import RadixKVManager
-    from tinypaged.sched.radix_policy import CacheAwareOrder, longest_prefix_first
+    from tinypaged.sched.radix_policy import CacheAwareOrder, lpm_order
 
     plugins = _stage07_given_and_solution_cells()["plugins"]
     check_plugins(plugins, ("kv_cache_manager", "scheduling_policy"))
@@ -114,7 +114,7 @@ def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
     serve = checks.get("serve_radix")
     bad = {"the package's tree": dict(plugins, kv_cache_manager=RadixKVManager.factory(page_size=1)),
            "a named order": dict(plugins, scheduling_policy=CacheAwareOrder("lpm")),
-           "the package's order": dict(plugins, scheduling_policy=CacheAwareOrder(longest_prefix_first)),
+           "the package's order": dict(plugins, scheduling_policy=CacheAwareOrder(lpm_order)),
            "no policy": {"kv_cache_manager": plugins["kv_cache_manager"]}}
     want = {"the package's tree": "your RadixTree", "a named order": "your lpm_order",
             "the package's order": "your lpm_order", "no policy": "scheduling_policy"}
@@ -167,11 +167,11 @@ def test_stage07_split_stamps_are_a_visible_case_and_hidden_failures_can_be_repl
     assert status == checks.FAIL and "random workout" in msg and "replay it" in msg, msg
     replay = msg[msg.index("t = RadixTree()"):]
     # the replay is real code: pasted after the learner's class, its last line disagrees with the reference
-    from tinypaged.kv.radix_cache import RadixCache
+    from tinypaged.kv.radix_cache import RadixTree
 
     code = replay.split("; ")
     *setup, last = code
-    ns_mine, ns_ref = {"RadixTree": learner}, {"RadixTree": lambda: RadixCache(1)}
+    ns_mine, ns_ref = {"RadixTree": learner}, {"RadixTree": RadixTree}
     for ns in (ns_mine, ns_ref):
         exec("\n".join(setup), ns)
     assert last.startswith("sorted(t.evict(") and eval(last, ns_mine) != eval(last, ns_ref)

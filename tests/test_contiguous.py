@@ -12,7 +12,6 @@ from tinypaged.kv.contiguous import (
     ContiguousKVManager,
     first_fit,
     free_holes,
-    next_power_of_two,
     reservation_tokens,
 )
 from tinypaged.model.loader import tiny_hf_model
@@ -20,8 +19,9 @@ from tinypaged.sequence import Sequence
 
 
 # -- reservation policies ---------------------------------------------------------------------
-def test_next_power_of_two():
-    assert [next_power_of_two(n) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)] == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
+def test_pow2_is_the_smallest_power_of_two_at_least_the_final_length():
+    got = [reservation_tokens("pow2", n, 4096) for n in (0, 1, 2, 3, 4, 5, 1023, 1024, 1025)]
+    assert got == [1, 1, 2, 4, 4, 8, 1024, 1024, 2048]
 
 
 @pytest.mark.parametrize("final_len,want", [(1, (2048, 1, 1)), (3, (2048, 4, 3)), (300, (2048, 512, 300)),
@@ -32,10 +32,12 @@ def test_reservation_policies(final_len, want):
 
 def test_reservation_never_exceeds_max_model_len_and_unknown_policy_is_refused():
     assert reservation_tokens("pow2", 300, 400) == 400
-    with pytest.raises(ValueError, match="Unknown reservation policy"):
+    with pytest.raises(ValueError, match="unknown reservation policy 'guess'"):
         reservation_tokens("guess", 10, 2048)
-    with pytest.raises(ValueError, match="Unknown reservation policy"):
+    with pytest.raises(ValueError, match="unknown reservation_policy 'guess'"):
         ContiguousKVManager(100, "guess", 64)
+    with pytest.raises(ValueError, match="kv_cache_tokens >= 1"):
+        ContiguousKVManager(0, "oracle", 64)
 
 
 # -- holes and first-fit ----------------------------------------------------------------------
@@ -95,8 +97,8 @@ def test_allocator_invariants_under_random_allocations():
         regions = sorted((s, n) for s, n, _ in a.regions.values())
         for (s, n), (nxt, _) in zip(regions, regions[1:]):
             assert s + n <= nxt  # no overlap
-        assert a.reserved == sum(n for _, n in regions)
-        assert a.reserved + sum(g for _, g in a.holes()) == a.capacity
+        assert a.usage({})["reserved"] == sum(n for _, n in regions)
+        assert a.usage({})["reserved"] + sum(g for _, g in a.holes()) == a.capacity
 
 
 # -- the engine's manager ---------------------------------------------------------------------
@@ -118,6 +120,61 @@ def test_manager_reserves_by_policy_and_refuses_to_outgrow(policy, want):
         kv.allocate_slots(seq, 1)
     kv.free(seq)
     assert kv.stats()["kv_reserved_tokens"] == 0 and kv.region(seq) is None and kv.usage == 0
+
+
+class _ListAllocator:
+    """A learner-style allocator with its own state (a list, no ``regions``), the stage-1 assignment's methods."""
+
+    def __init__(self, capacity, policy, max_model_len):
+        self.capacity, self.policy, self.max_model_len, self.placed = capacity, policy, max_model_len, []
+
+    def holes(self):
+        return free_holes(sorted((s, n) for _, s, n, _ in self.placed), self.capacity)
+
+    def allocate(self, seq_id, final_len):
+        size = reservation_tokens(self.policy, final_len, self.max_model_len)
+        start = first_fit(self.holes(), size)
+        if start is not None:
+            self.placed.append((seq_id, start, size, final_len))
+        return start
+
+    def free(self, seq_id):
+        self.placed = [r for r in self.placed if r[0] != seq_id]
+
+    def slot(self, seq_id, position):
+        start, size = next((s, n) for i, s, n, _ in self.placed if i == seq_id)
+        if not 0 <= position < size:
+            raise IndexError(position)
+        return start + position
+
+    def usage(self, written):
+        reserved = sum(n for _, _, n, _ in self.placed)
+        will_hold = sum(min(final, n) for _, _, n, final in self.placed)
+        states = sum(written.get(i, 0) for i, _, _, _ in self.placed)
+        return {"reserved": reserved, "token_states": states, "reservation_waste": will_hold - states,
+                "internal_fragmentation": reserved - will_hold, "free": self.capacity - reserved,
+                "largest_hole": max((n for _, n in self.holes()), default=0)}
+
+
+def test_a_learner_allocator_and_reservation_drop_into_the_engine_manager():
+    """The manager uses only the assignment's methods, so an allocator with other state runs the engine (the
+    stage-1 serving check's seam, ``ContiguousKVManager.factory``) and gives the built-in manager's tokens."""
+    calls = []
+
+    def my_reservation(policy, final_len, max_model_len):
+        calls.append(final_len)
+        return reservation_tokens(policy, final_len, max_model_len)
+
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    mine = tiny(kv_cache="contiguous", reservation_policy="pow2",
+                kv_cache_manager=ContiguousKVManager.factory(_ListAllocator, my_reservation))
+    got = mine.generate(prompts, params)
+    kv = mine.llm_engine.kv
+    assert isinstance(kv.allocator, _ListAllocator) and kv.allocator.placed == [] and kv.usage == 0
+    assert calls and set(calls) == {18}  # every request's reservation went through the given function
+    want = tiny(kv_cache="contiguous", reservation_policy="pow2").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
 # -- the engine on a contiguous cache ---------------------------------------------------------
@@ -188,7 +245,7 @@ def test_contiguous_gives_the_same_tokens_as_paged_and_transformers():
 # -- the stage-1 checks must fail on wrong code ----------------------------------------------
 def _wrong_reservation(policy, final_len, max_model_len):
     if policy == "pow2":
-        return next_power_of_two(final_len)  # forgets the max_model_len cap
+        return reservation_tokens(policy, final_len, 1 << 30)  # forgets the max_model_len cap
     return reservation_tokens(policy, final_len, max_model_len)
 
 
@@ -212,3 +269,29 @@ def _best_fit(holes, size):
 def test_stage1_checks_fail_on_wrong_code(name, wrong):
     status, msg = checks.evaluate(name, wrong)
     assert status == checks.FAIL and msg
+
+
+
+def _my_reservation(policy, final_len, max_model_len):
+    """A learner's reservation_tokens, written another way."""
+    if policy == "max":
+        return max_model_len
+    size = final_len if policy == "oracle" else 1 << max(final_len - 1, 0).bit_length()
+    return min(size, max_model_len)
+
+
+def test_serving_check_runs_the_engine_manager_only_over_the_notebooks_own_parts():
+    """The stage-1 serving check's plug-in is the package's seam (ContiguousKVManager.factory): its preflight
+    accepts the learner's allocator and reservation inside and refuses the package's (marks for its code)."""
+    from tinypaged.course.checks import stage01
+    from tinypaged.kv import contiguous
+
+    stage01._preflight({"kv_cache_manager": ContiguousKVManager.factory(_ListAllocator, _my_reservation)})
+    with pytest.raises(TypeError, match="allocator must be your ContiguousAllocator"):
+        stage01._preflight({"kv_cache_manager": ContiguousKVManager.factory(contiguous.ContiguousAllocator,
+                                                                             _my_reservation)})
+    with pytest.raises(TypeError, match="your reservation_tokens"):
+        stage01._preflight({"kv_cache_manager": ContiguousKVManager.factory(_ListAllocator,
+                                                                             contiguous.reservation_tokens)})
+    with pytest.raises(TypeError, match="kv_cache_manager"):
+        stage01._preflight({})

@@ -264,7 +264,7 @@ def test_fanout_shares_the_prompt_only_through_the_prefix_cache():
 
 # -- metrics ask the KV manager, never its type --------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(kv_cache="contiguous", reservation_policy="max", kv_cache_tokens=400,
-                                     num_gpu_blocks_override=None, scheduler="static"),
+                                     num_gpu_blocks_override=None, scheduling_policy="static"),
                                 dict(kv_cache="paged", parallel_sampling="fork")], ids=["contiguous", "paged-fork"])
 def test_kv_waste_is_allocated_slots_minus_slots_holding_tokens(kw):
     llm = tiny(**kw)

@@ -54,6 +54,19 @@ def test_the_flag_picks_the_path():
     assert list(ref.model.state_dict()) == list(fast.model.state_dict())
 
 
+def test_a_named_backend_runs_what_its_name_says():
+    """No silent swap: "torch" is the reference whatever fast_path says, "sdpa" is torch's fused attention; only an
+    unset attention_backend follows fast_path, and the config then names the one that runs."""
+    cases = [(dict(attention_backend="torch"), TorchBackend), (dict(attention_backend="sdpa", fast_path=False),
+                                                               SDPABackend), (dict(fast_path=False), TorchBackend)]
+    for kw, kind in cases:
+        engine = LLM("tiny", device="cpu", kv_cache_tokens=256, **kw).llm_engine
+        assert type(engine.runner.backend) is kind, kw
+        assert engine.config.attention_backend == {TorchBackend: "torch", SDPABackend: "sdpa"}[kind]
+    with pytest.raises(ValueError, match="attention_backend='fused'.*'torch', 'sdpa', 'triton'"):
+        LLM("tiny", device="cpu", kv_cache_tokens=256, attention_backend="fused")
+
+
 def test_fused_weights_are_the_layers_weights():
     """Loading a state_dict into the fused model (or editing q_proj) changes what the fused GEMM computes."""
     engine = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine

@@ -119,7 +119,7 @@ def test_kv_cache_manager_factories_that_take_a_spec_are_accepted():
 # -- the one policy knob ------------------------------------------------------------------------------
 def test_scheduling_policy_is_the_one_knob_and_defaults_to_continuous():
     c = config()
-    assert c.scheduling_policy == "continuous" and c.scheduler is None and not c.has_plugins
+    assert c.scheduling_policy == "continuous" and not hasattr(c, "scheduler") and not c.has_plugins
     assert isinstance(make_policy(c), PlanPolicy)
     assert isinstance(make_policy(config(scheduling_policy="static")), StaticBatching)
     assert config(scheduling_policy=schedule_step).has_plugins
@@ -136,19 +136,10 @@ def test_bad_scheduling_policy(policy, error, words):
         config(scheduling_policy=policy)
 
 
-def test_deprecated_scheduler_alias_maps_onto_scheduling_policy():
-    with pytest.warns(FutureWarning, match=r"scheduler= is deprecated.*scheduling_policy='static'"):
-        c = config(scheduler="static")
-    assert c.scheduling_policy == "static" and c.scheduler is None
-    assert isinstance(make_policy(c), StaticBatching)
-    with pytest.warns(FutureWarning):
-        assert config(scheduler="static", scheduling_policy="static").scheduling_policy == "static"
-
-
-@pytest.mark.parametrize("policy", ["continuous", schedule_step])
-def test_deprecated_scheduler_that_disagrees_with_scheduling_policy_is_an_error(policy):
-    with pytest.warns(FutureWarning), pytest.raises(ValueError, match="scheduler='static' and scheduling_policy=.*disagree"):
-        config(scheduler="static", scheduling_policy=policy)
+def test_the_removed_scheduler_alias_is_an_unknown_knob():
+    """``scheduler=`` was the deprecated alias of ``scheduling_policy``; one knob per decision now."""
+    with pytest.raises(TypeError, match="scheduler"):
+        config(scheduler="static")
 
 
 def test_chunked_prefill_is_on_where_the_policy_can_split_prompts():

@@ -80,7 +80,7 @@ def no_model_load(monkeypatch):
     (["--kv-cache-manager", "nosuchmodule:X"], "argument --kv-cache-manager: no module named 'nosuchmodule'"),
     (["--scheduling-policy", "nosuchmodule.sub:X"], "argument --scheduling-policy: no module named 'nosuchmodule'"),
     (["--attention-backend", "nosuchmodule:f"], "argument --attention-backend: no module named 'nosuchmodule'"),
-    (["--attention-backend", "cuda"], "argument --attention-backend: 'cuda': give torch, triton, or MODULE:NAME"),
+    (["--attention-backend", "cuda"], "argument --attention-backend: 'cuda': give torch, sdpa, triton, or MODULE:NAME"),
     (["--kv-cache-manager", "json:NoSuchName"], "argument --kv-cache-manager: json has no 'NoSuchName'"),
     (["--kv-cache-manager", "missing_file.py:X"], "argument --kv-cache-manager: missing_file.py: no such file"),
     (["--port", "-1"], "argument --port: a port is a number in 1..65535, got -1"),

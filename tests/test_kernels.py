@@ -12,12 +12,14 @@ import torch
 
 from tinypaged.kernels import (
     gather_then_attend,
+    merge_splits_reference,
+    online_softmax_update,
     paged_attention_decode,
     paged_attention_reference,
     reshape_and_cache,
     reshape_and_cache_reference,
 )
-from tinypaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, _choose_num_splits, _dot_precision
+from tinypaged.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, _choose_num_splits
 from tinypaged.triton_mode import INTERPRETED
 
 if INTERPRETED:
@@ -32,9 +34,8 @@ if INTERPRETED:
                            "(e.g. in conftest.py) so the Triton interpreter is set up in time")
 
 # (atol, rtol) per dtype. fp32: the kernel and the reference differ only in the
-# order of sums. fp16/bf16: the kernel rounds softmax probabilities to the input
-# dtype before the P @ V product (as FlashAttention does), and the output itself
-# is rounded to fp16 (~1e-3 relative) or bf16 (~8e-3 relative).
+# order of sums. fp16/bf16: both compute in fp32, and the output is rounded to
+# fp16 (~1e-3 relative) or bf16 (~8e-3 relative).
 TOLERANCES = {
     torch.float32: (1e-4, 1e-4),
     torch.float16: (2e-3, 1e-2),
@@ -184,10 +185,10 @@ def test_bfloat16(device):
 def test_fp32_is_compared_in_ieee_precision():
     """The fp32 tolerances (1e-4) assume IEEE fp32 on both sides; TF32 (a 10-bit mantissa) would need ~1e-2.
 
-    The kernel asks tl.dot for IEEE, and torch's fp32 matmuls (the references, and the model in the
-    lessons) must not have been switched to TF32 by any import on the way here.
+    The kernel multiplies with broadcast products and tl.sum (no tl.dot, so no TF32), and torch's fp32
+    matmuls (the references, and the model in the lessons) must not have been switched to TF32 by any
+    import on the way here.
     """
-    assert _dot_precision(torch.float32) == "ieee" and _dot_precision(torch.float64) == "ieee"
     import transformers  # noqa: F401  (imported by the engine: it must not change the setting)
 
     from tinypaged import LLM
@@ -226,6 +227,61 @@ def test_gather_then_attend_matches_reference(dtype, device):
     args = make_paged_batch([1, 16, 50, 33], 9, 3, 64, 16, dtype, device)
     expected = paged_attention_reference(*args, 0.125)
     assert_close(gather_then_attend(*args, 0.125), expected, dtype)
+
+
+def test_the_kernels_algorithm_in_torch_gives_the_spec():
+    """paged_attention_kernel's loop body is online_softmax_update and merge_splits_kernel is merge_splits_reference:
+    composed in torch, cutting each context into splits and tiles as the kernel does, they give the spec's answer
+    (and the Triton launcher gives the same)."""
+    query, kc, vc, bt, lens = make_paged_batch([1, 23, 40], 6, 2, 16, 8, torch.float64, "cpu", seed=9)
+    scale, tile, num_splits = 0.3, 4, 3
+    S, H, D = query.shape
+    group = H // kc.shape[2]
+    partial = torch.zeros(S, H, num_splits, D, dtype=torch.float64)
+    maxes = torch.full((S, H, num_splits), float("-inf"), dtype=torch.float64)
+    sums = torch.zeros(S, H, num_splits, dtype=torch.float64)
+    for s in range(S):
+        n = int(lens[s])
+        per_split = -(-(-(-n // num_splits)) // tile) * tile      # cdiv(cdiv(n, splits), tile) * tile
+        for split in range(num_splits):
+            m = torch.full((H,), float("-inf"), dtype=torch.float64)
+            l, acc = torch.zeros(H, dtype=torch.float64), torch.zeros(H, D, dtype=torch.float64)
+            for t0 in range(split * per_split, min((split + 1) * per_split, n), tile):
+                tok = torch.arange(t0, min(t0 + tile, n, (split + 1) * per_split))
+                blocks, rows = bt[s, tok // 8].long(), tok % 8
+                k = kc[blocks, rows].repeat_interleave(group, dim=1)   # [tokens, H, D]
+                v = vc[blocks, rows].repeat_interleave(group, dim=1)
+                scores = torch.einsum("hd,nhd->hn", query[s], k) * scale
+                # every query head has its own values (GQA repeats them): one update per head
+                for h in range(H):
+                    mh, lh, ah = online_softmax_update(m[h:h + 1], l[h:h + 1], acc[h:h + 1], scores[h:h + 1], v[:, h])
+                    m[h], l[h], acc[h] = mh[0], lh[0], ah[0]
+            partial[s, :, split] = acc / torch.where(l > 0, l, 1.0)[:, None]
+            maxes[s, :, split], sums[s, :, split] = m, l
+    expected = paged_attention_reference(query, kc, vc, bt, lens, scale)
+    torch.testing.assert_close(merge_splits_reference(partial, maxes, sums), expected, atol=1e-12, rtol=1e-12)
+    assert (sums[0, :, 1:] == 0).all(), "a 1-token sequence leaves its last splits empty"
+    if not CUDA:  # the interpreter takes these CPU tensors
+        assert_close(paged_attention_decode(query, kc, vc, bt, lens, scale, num_splits=num_splits), expected,
+                     torch.float64)
+
+
+def test_merge_splits_kernel_is_merge_splits_reference(device):
+    """The merge kernel alone, on splits with far-apart maxima and empty splits (l = 0, m = -inf)."""
+    from tinypaged.kernels.paged_attention import merge_splits_kernel
+
+    gen = torch.Generator().manual_seed(2)
+    partial = torch.randn(2, 3, 5, 32, generator=gen)
+    maxes = torch.randn(2, 3, 5, generator=gen) * 20
+    sums = torch.rand(2, 3, 5, generator=gen) * 10 + 0.5
+    maxes[0, :, 3:], sums[0, :, 3:], partial[0, :, 3:] = float("-inf"), 0.0, 0.0
+    maxes[1, 2], sums[1, 2], partial[1, 2] = float("-inf"), 0.0, 0.0          # a head with no tokens at all
+    partial, maxes, sums = partial.to(device), maxes.to(device), sums.to(device)
+    out = torch.empty(2, 3, 32, device=device)
+    merge_splits_kernel[(2, 3)](out, partial, maxes, sums, out.stride(0), out.stride(1), *partial.stride()[:3],
+                                *maxes.stride()[:2], 5, SPLITS_PAD=8, HEAD_DIM=32)
+    assert_close(out, merge_splits_reference(partial, maxes, sums), torch.float32)
+    assert torch.all(out[1, 2] == 0)
 
 
 # ---------------------------------------------------------------- reshape_and_cache
@@ -310,7 +366,7 @@ def _online_no_rescale(m, l, acc, scores, values):
 
 
 def _online_in_place(m, l, acc, scores, values):
-    from tinypaged.lab.kernel_lab import online_softmax_update
+    from tinypaged.kernels.reference import online_softmax_update
 
     new = online_softmax_update(m, l, acc, scores, values)
     m.copy_(new[0]), l.copy_(new[1]), acc.copy_(new[2])
@@ -367,3 +423,72 @@ def test_stage05_checks_reject_wrong_code(name, impl, status):
 
     got, msg = checks.evaluate(name, impl)
     assert got == status, f"{name} with {impl.__name__}: {got} {msg}"
+
+
+# ---------------------------------------------------------------- the launchers' contract
+
+def test_launchers_refuse_what_the_kernels_cannot_do_before_any_work(device):
+    """tl.arange spans a power of two, and the kernels read V (and write both caches) with K's strides:
+    a bad input is a ValueError naming it, and no cache is written."""
+    query, kc, vc, bt, lens = make_paged_batch([5], 2, 1, 48, 8, torch.float32, device)
+    with pytest.raises(ValueError, match="head_dim=48"):
+        paged_attention_decode(query, kc, vc, bt, lens, 0.125)
+    key = torch.randn(3, 1, 48, device=device)
+    kc_before = kc.clone()
+    with pytest.raises(ValueError, match="head_dim=48"):
+        reshape_and_cache(key, key, kc, vc, torch.tensor([0, 1, 2], device=device))
+    assert torch.equal(kc, kc_before)
+
+    query, kc, vc, bt, lens = make_paged_batch([5], 2, 1, 16, 8, torch.float32, device)
+    vc_other_layout = vc.transpose(0, 1).contiguous().transpose(0, 1)   # same shape, other strides
+    with pytest.raises(ValueError, match="key_cache/value_cache"):
+        paged_attention_decode(query, kc, vc_other_layout, bt, lens, 0.125)
+    with pytest.raises(ValueError, match="key_cache/value_cache"):
+        reshape_and_cache(query[:, :1], query[:, :1], kc, vc_other_layout, torch.tensor([0], device=device))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            paged_attention_decode(query, kc, vc, bt, lens, 0.125, num_splits=bad)
+
+
+def test_reshape_and_cache_strided_key_and_value(device):
+    """Keys and values sliced out of a fused projection (rows not contiguous, strides unequal) are written right."""
+    gen = torch.Generator().manual_seed(4)
+    fused = torch.randn(5, 6, 16, generator=gen).to(device)             # [tokens, q 2 + k 2 + v 2 heads, dim]
+    key, value = fused[:, 2:4], fused[:, 4:6].transpose(0, 1).contiguous().transpose(0, 1)
+    assert not key.is_contiguous() and key.stride() != value.stride()
+    slots = torch.tensor([3, -1, 8, 0, 15], device=device)
+    kc, vc = torch.zeros(2, 8, 2, 16, device=device), torch.zeros(2, 8, 2, 16, device=device)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    reshape_and_cache(key, value, kc, vc, slots)
+    reshape_and_cache_reference(key, value, kc_ref, vc_ref, slots)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+
+
+def test_tile_keeps_a_tiles_products_bounded():
+    """TILE_N: a power of two, at most MAX_TILE_TOKENS, and [GROUP_PAD, TILE_N, HEAD_DIM] within TILE_ELEMENTS
+    (at that budget the compiled kernel keeps its tiles in registers without spilling on sm_90)."""
+    from tinypaged.kernels.paged_attention import MAX_TILE_TOKENS, TILE_ELEMENTS, _tile_tokens
+
+    for group_pad in (1, 2, 4, 8, 16):
+        for head_dim in (16, 64, 128, 256):
+            tile = _tile_tokens(group_pad, head_dim)
+            assert tile & (tile - 1) == 0 and 1 <= tile <= MAX_TILE_TOKENS
+            assert group_pad * tile * head_dim <= TILE_ELEMENTS or tile == 1
+    assert _tile_tokens(4, 64) == 32  # SmolLM2: 9 query heads over 3 KV heads (padded to 4), head_dim 64
+
+
+@pytest.mark.parametrize("module, kernel, check", [
+    ("paged_attention", "paged_attention_kernel", "paged_attention"),
+    ("paged_attention", "merge_splits_kernel", "merge_splits"),
+    ("reshape_and_cache", "reshape_and_cache_kernel", "reshape_and_cache"),
+])
+def test_handing_in_the_packages_kernel_scores_nothing(module, kernel, check):
+    """The package's kernels are the assignment's solution line for line: importing one into the kernel's cell is
+    reuse that the grader counts against the check of the launcher that runs it."""
+    from tinypaged.course import checks
+    from tinypaged.course.grading.scan import scan_notebook
+
+    found = [f for f in scan_notebook([(6, f"from tinypaged.kernels.{module} import {kernel}\n", True)])
+             if f.kind == "reuse"]
+    assert found and check in found[0].checks, found
+    assert set(checks.get(check).targets) & set(found[0].binds), "the grader would not count this reuse"

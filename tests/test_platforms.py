@@ -305,8 +305,9 @@ def test_without_triton_the_references_run_and_the_triton_knob_fails_by_name(tmp
     code = """
 import os, tinypaged
 from tinypaged import kernels, triton_mode
+from tinypaged.lab.kernel_lab import random_paged_batch
 assert not triton_mode.AVAILABLE and not triton_mode.INTERPRETED and "TRITON_INTERPRET" not in os.environ
-batch = kernels.random_paged_batch([3, 9], 2, 1, 8, 4)
+batch = random_paged_batch([3, 9], 2, 1, 8, 4)
 print("reference", tuple(kernels.paged_attention_reference(*batch, 0.3).shape))
 try:
     kernels.paged_attention_decode(*batch, 0.3)

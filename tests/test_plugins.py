@@ -215,11 +215,28 @@ def test_block_handed_out_twice_is_caught():
     assert not llm.llm_engine.has_unfinished_requests(), "the interrupted call aborted its requests"
 
 
-def test_policy_over_max_num_seqs_is_caught():
+def test_policy_over_max_num_seqs_is_refused_or_caught():
     def greedy_admit(running, waiting, budget, max_num_seqs, kv):
         return fcfs_step(running, waiting, budget, 10**9, kv)
 
+    # a step function acts through the engine's kv, which refuses a waiting request the seats it does not have
     llm = LLM("tiny", scheduling_policy=greedy_admit, **{**TINY, "max_num_seqs": 2})
+    running = []
+    outs = llm.generate(PROMPTS, GREEDY, on_step=lambda st: running.append(len(llm.llm_engine.scheduler.running)))
+    assert max(running) == 2 and [o.outputs[0].token_ids for o in outs] == reference_tokens()
+
+    class AdmitAll:  # a policy object admits through the scheduler's own actions: the engine's check stops it
+        def schedule(self, sched):
+            from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
+
+            out = SchedulerOutput()
+            for seq in list(sched.waiting):
+                if sched.allocate(seq, 1):
+                    sched.admit(seq)
+                    out.scheduled.append(ScheduledSeq(seq, 1))
+            return out
+
+    llm = LLM("tiny", scheduling_policy=AdmitAll(), **{**TINY, "max_num_seqs": 2})
     with pytest.raises(InvariantError, match="max_num_seqs=2"):
         llm.generate(PROMPTS, GREEDY)
 

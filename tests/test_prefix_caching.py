@@ -101,9 +101,9 @@ def test_stale_hashes_after_lru_eviction():
     m = on.get_metrics()
     assert m["prefix_cache_evictions"] > 0
     kv = on.llm_engine.kv
-    for h, holders in kv.pool.index.items():
-        assert holders and all(kv.pool.hash_of[b] == h for b in holders)
-    assert len(kv.pool.hash_of) == sum(len(h) for h in kv.pool.index.values())
+    for h, holders in kv.allocator.index.items():
+        assert holders and all(kv.allocator.hash_of[b] == h for b in holders)
+    assert len(kv.allocator.hash_of) == sum(len(h) for h in kv.allocator.index.values())
 
 
 def test_lru_order_and_tail_first_free():
@@ -113,7 +113,7 @@ def test_lru_order_and_tail_first_free():
     table = bm.block_ids(s)
     bm.free(s)
     # freed tail first: the last block of the chain sits at the head side of the freed ones
-    assert list(bm.pool.allocator)[-3:] == table[::-1]
+    assert list(bm.allocator.queue)[-3:] == table[::-1]
     t = Sequence("b", list(range(12)), GREEDY)
     hit = bm.get_computed_blocks(t)
     assert hit == table[:2], "capped at len - 1 = 11 tokens: two blocks"
@@ -155,7 +155,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _compute(self, seq):
         for pos in range(seq.num_computed_tokens, len(seq)):
             block = self.bm.tables[seq.seq_id][pos // BS]
-            refs = self.bm.pool.ref_count(block)
+            refs = self.bm.ref_count(block)
             assert refs == 1, f"writing into block {block} shared by {refs} tables"
             self.slots[self.bm.slot_mapping(seq, pos, pos + 1)[0]] = seq.token_ids[pos]
         seq.num_computed_tokens = len(seq)
@@ -203,16 +203,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for b in blocks:
                 holders[b] = holders.get(b, 0) + 1
         for b in range(self.bm.num_blocks):
-            refs = self.bm.pool.ref_count(b)
+            refs = self.bm.ref_count(b)
             assert refs == holders.get(b, 0), f"block {b}: ref {refs}"
-            in_queue = b in self.bm.pool.allocator
+            in_queue = b in self.bm.allocator.queue
             assert in_queue == (refs == 0), f"block {b} free={in_queue} ref={refs}"
 
     @invariant()
     def index_points_at_matching_blocks(self):
-        for h, holders in self.bm.pool.index.items():
+        for h, holders in self.bm.allocator.index.items():
             for b in holders:
-                assert self.bm.pool.hash_of[b] == h
+                assert self.bm.allocator.hash_of[b] == h
 
     @invariant()
     def every_sequence_reads_its_own_tokens(self):
@@ -232,3 +232,36 @@ class BlockManagerMachine(RuleBasedStateMachine):
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                             suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_factory_runs_the_given_stage3_parts_with_prefix_caching():
+    """Stage 3's parts (here: the package's, counting their calls) drop into the engine's manager: same
+    tokens and the same hits as the built-in manager, and the engine called each of them."""
+    from tinypaged.kv import block_manager as bm
+    from tinypaged.kv.block_pool import PrefixCache, hash_chain
+
+    calls = dict.fromkeys(["append_slot", "free_table", "hash_chain", "longest_cached_prefix", "register"], 0)
+
+    def counted(name, fn):
+        def call(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return call
+
+    class Cache(PrefixCache):
+        def register(self, block_id, block_hash):
+            calls["register"] += 1
+            super().register(block_id, block_hash)
+
+    parts = dict(PrefixCache=Cache, append_slot=counted("append_slot", bm.append_slot),
+                 free_table=counted("free_table", bm.free_table), hash_chain=counted("hash_chain", hash_chain),
+                 longest_cached_prefix=counted("longest_cached_prefix", bm.longest_cached_prefix))
+    shared = _prompt(7, 10)
+    prompts = [shared + _prompt(8, 3), shared + _prompt(9, 5)]
+    built_in = _llm(True)
+    want = _run(built_in, prompts), _run(built_in, prompts)
+    llm = LLM(model="tiny", dtype="float64", device="cpu", block_size=BS, num_gpu_blocks_override=64,
+              enable_prefix_caching=True, kv_cache_manager=BlockManager.factory(**parts))
+    assert (_run(llm, prompts), _run(llm, prompts)) == want
+    assert llm.llm_engine.kv.stats()["prefix_cache_hits"] == built_in.llm_engine.kv.stats()["prefix_cache_hits"] > 0
+    assert all(n > 0 for n in calls.values()), calls

@@ -1,8 +1,9 @@
 """Stage 7: the radix tree, its KV manager and the cache-aware order.
 
-Two hypothesis state machines: one drives the bare ``RadixCache`` (insert, match, lock, evict), one drives
-``RadixKVManager`` through the KVCacheManager contract with fake sequences whose "KV" is a dict from slot
-to (token, position), so a page overwritten while someone reads it is caught. Invariants: no locked node
+Two hypothesis state machines: one drives the bare ``RadixTree`` (insert, match, lock, evict) with keys of
+tokens and of pages (``page_key``), one drives ``RadixKVManager`` through the KVCacheManager contract with fake
+sequences whose "KV" is a dict from slot to (token, position), so a page overwritten while someone reads it is
+caught. Invariants: no locked node
 evicted, evictable / protected sizes add up, every cached token held by one node, nothing leaked after a
 drain. Then the engine: outputs identical with every manager and order, and the hits each one finds.
 """
@@ -16,8 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from tinypaged.kv.radix_cache import RadixCache, RadixKVManager
-from tinypaged.sched.radix_policy import CacheAwareOrder, dfs_weight_order, longest_prefix_first
+from tinypaged.kv.radix_cache import RadixKVManager, RadixTree, check_tree, page_key, tree_nodes
+from tinypaged.sched.radix_policy import CacheAwareOrder, dfs_weight_order, lpm_order
 
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 9, 9, 9], [4, 4, 4, 4], [1, 2, 7]]
 
@@ -32,29 +33,27 @@ class TreeMachine(RuleBasedStateMachine):
     @initialize(page_size=st.sampled_from([1, 2, 4]))
     def setup(self, page_size):
         self.p = page_size
-        self.tree = RadixCache(page_size)
+        self.tree = RadixTree()  # the tree is the same at every page size: its keys are page_keys
         self.free = list(range(200))
         self.locks: list[tuple[tuple, list, object]] = []  # (key, pages, node) of each lock held
 
-    def _aligned(self, key):
-        return tuple(key[: len(key) - len(key) % self.p])
-
     @rule(key=keys())
     def insert(self, key):
-        key = self._aligned(key)
+        key = page_key(key, self.p)
         before, _ = self.tree.match_prefix(key)
-        pages = [self.free.pop() for _ in range(len(key) // self.p)]
+        pages = [self.free.pop() for _ in key]
         cached = self.tree.insert(key, pages)
-        assert cached == len(before) * self.p, "insert reports the prefix that match_prefix found"
+        assert cached == len(before), "insert reports the prefix that match_prefix found"
         got, _ = self.tree.match_prefix(key)
-        assert got == before + pages[cached // self.p:], "the tree keeps its pages and adopts the rest"
-        self.free += pages[: cached // self.p]  # duplicates go back
+        assert got == before + pages[cached:], "the tree keeps its pages and adopts the rest"
+        self.free += pages[:cached]  # duplicates go back
 
     @rule(key=keys())
     def lock(self, key):
+        key = page_key(key, self.p)
         pages, node = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(node)
-        self.locks.append((self._aligned(key)[: len(pages) * self.p], pages, node))
+        self.locks.append((key[: len(pages)], pages, node))
 
     @precondition(lambda self: self.locks)
     @rule(i=st.integers(0, 50))
@@ -66,7 +65,7 @@ class TreeMachine(RuleBasedStateMachine):
     def evict(self, n):
         evictable = self.tree.evictable_size
         freed = self.tree.evict(n)
-        assert len(freed) * self.p >= min(n, evictable) and self.tree.evictable_size == evictable - len(freed) * self.p
+        assert len(freed) >= min(n, evictable) and self.tree.evictable_size == evictable - len(freed)
         self.free += freed
         for key, pages, _ in self.locks:  # no locked path lost a token
             assert self.tree.match_prefix(key)[0] == pages
@@ -75,10 +74,10 @@ class TreeMachine(RuleBasedStateMachine):
     def consistent(self):
         if not hasattr(self, "tree"):
             return
-        self.tree.check_invariants()
-        held = [pg for n in self.tree.nodes() for pg in n.value]
+        check_tree(self.tree)
+        held = [pg for n in tree_nodes(self.tree) for pg in n.value]
         assert sorted(held + self.free) == list(range(200)), "every page is free or in exactly one node"
-        assert self.tree.total_size == len(held) * self.p
+        assert self.tree.evictable_size + self.tree.protected_size == len(held)
 
     def teardown(self):
         if not hasattr(self, "tree"):
@@ -218,9 +217,13 @@ def test_cached_pages_hold_their_tokens():
     assert [written[p] for p in pages] == [1, 2, 3, 4, 5, 7, 8], "prompt and output KV stay, the unwritten token not"
 
 
+def test_page_key_makes_one_symbol_per_whole_page():
+    assert page_key([5, 6, 7], 1) == (5, 6, 7)
+    assert page_key([1, 2, 3, 4, 5, 6, 7], 2) == ((1, 2), (3, 4), (5, 6)), "the partial last page is left out"
+    assert page_key([1, 2, 3], 4) == ()
+
+
 def test_bad_page_size_is_named():
-    with pytest.raises(ValueError, match="page_size"):
-        RadixCache(0)
     with pytest.raises(ValueError, match="page_size"):
         RadixKVManager(64, 0)
     with pytest.raises(ValueError, match="order="):
@@ -237,10 +240,12 @@ class _S:
         return len(self.token_ids)
 
 
-def test_longest_prefix_first_is_stable():
+def test_lpm_order_is_stable_and_keeps_arrival_order_above_the_cut_off():
     seqs = [_S(i, []) for i in range(5)]
     hits = {0: 4, 1: 16, 2: 0, 3: 16, 4: 4}
-    assert [s.seq_id for s in longest_prefix_first(seqs, lambda s: hits[s.seq_id])] == [1, 3, 0, 4, 2]
+    assert [s.seq_id for s in lpm_order(seqs, lambda s: hits[s.seq_id])] == [1, 3, 0, 4, 2]
+    assert [s.seq_id for s in lpm_order(seqs, lambda s: hits[s.seq_id], fcfs_above=4)] == [0, 1, 2, 3, 4]
+    assert [s.seq_id for s in seqs] == [0, 1, 2, 3, 4], "a new list: the caller's is left alone"
 
 
 def test_dfs_weight_takes_the_heavier_subtree_first():
@@ -414,10 +419,10 @@ def test_slot_check_still_catches_an_overwrite_of_other_tokens():
 def test_a_split_ties_two_leaves_and_the_older_goes_first():
     """Regression: an insert that splits an edge stamps both the remainder and the new leaf; eviction must break
     the tie the same way every run (creation order), or a check's expected pages depend on memory addresses."""
-    tree = RadixCache(1)
+    tree = RadixTree()
     tree.insert([1, 2, 3], [10, 11, 12])
     tree.insert([1, 2, 4], [20, 21, 22])
-    leaves = [n for n in tree.nodes() if not n.children]
+    leaves = [n for n in tree_nodes(tree) if not n.children]
     assert len({n.last_access for n in leaves}) == 1, "the remainder [3] and the new leaf [4] share a stamp"
     assert tree.evict(1) == [12], "the remainder, created first, is evicted first"
 
@@ -541,7 +546,7 @@ def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy
     want = [o.outputs[0].token_ids for o in LLM("tiny", block_size=4, kv_cache_tokens=160).generate(prompts, params)]
     for order in ("lpm", "dfs-weight"):
         llm = LLM("tiny", block_size=4, kv_cache_tokens=160, max_num_seqs=1, check_invariants=True,
-                  kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=lambda p: AssignmentTree()),
+                  kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=AssignmentTree),
                   scheduling_policy=CacheAwareOrder(order))
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == want, order
@@ -559,3 +564,30 @@ def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy
         assert r.status_code == 200 and "vllm:prefix_cache_hits_total" in r.text, r.text[:500]
     finally:
         srv.close()
+
+
+@pytest.mark.parametrize("page_size, order", [(1, "lpm"), (4, "lpm"), (4, "dfs-weight")])
+def test_a_page_size_1_tree_serves_any_page_size(page_size, order):
+    """The radix manager is the lesson's tree at any page size: a tree written for page size 1 (the assignment's
+    interface only) gets one symbol per whole page from the manager and finds the same hits, evicts the same
+    pages and gives the same tokens as the engine's own RadixTree; at pages of 4 every hit is whole pages."""
+    from tinypaged import LLM, SamplingParams
+
+    r = random.Random(1)
+    systems = [[r.randrange(1, 200) for _ in range(18)] for _ in range(3)]
+    prompts = [{"prompt_token_ids": systems[i % 3] + [r.randrange(1, 200) for _ in range(r.randint(1, 7))]}
+               for i in range(9)]
+    runs = {}
+    for name, factory in (("engine's", RadixTree), ("assignment's", AssignmentTree)):
+        llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=2, check_invariants=True,
+                  kv_cache_manager=RadixKVManager.factory(page_size, tree_factory=factory),
+                  scheduling_policy=CacheAwareOrder(order))
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        llm.llm_engine.scheduler.kv.check_invariants()  # whole pages in every key, every page in one place
+        m = llm.get_metrics()
+        runs[name] = ([o.outputs[0].token_ids for o in outs], [o.metrics.num_cached_tokens for o in outs],
+                      m["prefix_cache_evicted_tokens"], m["radix_cached_tokens"], m["radix_nodes"])
+    assert runs["engine's"] == runs["assignment's"]
+    _, hits, evicted, _, _ = runs["engine's"]
+    assert sum(hits) > 0 and evicted > 0, "the run hits and evicts"
+    assert all(h % page_size == 0 for h in hits)

@@ -98,14 +98,14 @@ def test_copy_on_write_block_manager_level():
     parent.num_computed_tokens = 6
     child = parent.fork(1, None)
     bm.fork(parent, child)
-    assert bm.block_ids(child) == bm.block_ids(parent) and [bm.pool.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 2]
+    assert bm.block_ids(child) == bm.block_ids(parent) and [bm.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 2]
     for s in (parent, child):
         s.output_token_ids.append(99)
     assert bm.allocate_slots(child, 1)
     assert copies == [(bm.block_ids(parent)[1], bm.block_ids(child)[1])]
     assert bm.block_ids(child)[0] == bm.block_ids(parent)[0] and bm.block_ids(child)[1] != bm.block_ids(parent)[1]
     assert bm.allocate_slots(parent, 1) and len(copies) == 1, "the last holder writes in place"
-    assert [bm.pool.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 1]
+    assert [bm.ref_count(b) for b in bm.tables[parent.seq_id]] == [2, 1]
     bm.free(parent)
     bm.free(child)
     assert bm.num_free_blocks == 8
@@ -251,7 +251,31 @@ def _broken_implementations():
 
         return [cache[h] for h in hash_chain(tokens[:-1], bs) if h in cache]
 
+    def _chain(tokens, bs, extra_keys=None, known=()):  # hash_chain written again (not the package's code)
+        from tinypaged.kv.block_manager import hash_block_tokens
+
+        out = list(known)
+        for i in range(len(out), len(tokens) // bs):
+            out.append(hash_block_tokens(out[-1] if out else None, tokens[i * bs:(i + 1) * bs], extra_keys))
+        return out
+
+    def hash_drops_extra_keys(tokens, bs, extra_keys=None, known=()):
+        return _chain(tokens, bs, None, known)
+
+    def hash_recomputes_known(tokens, bs, extra_keys=None, known=()):
+        return _chain(tokens, bs, extra_keys)
+
+    def prefix_drops_extra_keys(tokens, bs, cache, extra_keys=None):
+        hit = []
+        for h in _chain(tokens[:-1], bs):
+            if cache.lookup(h) is None:
+                break
+            hit.append(cache.lookup(h))
+        return hit
+
     return [("fork_table", fork_no_refcount), ("fork_table", fork_same_list),
+            ("hash_chain", hash_drops_extra_keys), ("hash_chain", hash_recomputes_known),
+            ("longest_cached_prefix", prefix_drops_extra_keys),
             ("append_slot", append_never_copies), ("append_slot", append_copies_full_blocks),
             ("free_table", free_head_first), ("hash_chain", hash_unchained), ("hash_chain", hash_partial_too),
             ("longest_cached_prefix", prefix_uncapped), ("longest_cached_prefix", prefix_skips_misses)]
@@ -273,3 +297,52 @@ def test_stage03_checks_report_not_implemented():
 
     for name in ("fork_table", "append_slot", "free_table", "hash_chain", "longest_cached_prefix"):
         assert checks.evaluate(name, todo)[0] == checks.TODO
+
+
+# -- the serving checks take the learner's parts inside the engine's BlockManager, and only those ----------------
+def _solution_cells(stage: str, grade_ids) -> dict:
+    """A solution notebook's setup and graded cells and its given plug-in cell, executed without its check cells
+    (which would load SmolLM2)."""
+    import json
+
+    from tinypaged.course import coursework
+    from tinypaged.course.grading.notebook import source_of
+
+    nb = json.loads((coursework.ROOT / "solutions" / f"{stage}.ipynb").read_text())
+    ns: dict = {"__name__": "__submission__"}
+    for cell in nb["cells"]:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade_id") in ("setup", *grade_ids, "plugin"):
+            exec(compile(source_of(cell), f"<solutions/{stage} cell>", "exec"), ns)
+    return ns
+
+
+@pytest.mark.parametrize("stage,check,parts,swap,why", [
+    ("02_block_table", "serve_paged", ("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"),
+     {"BlockAllocator": "BlockAllocator"}, "BlockAllocator must be yours"),
+    ("02_block_table", "serve_paged", ("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"),
+     {"BlockTables": "BlockTables"}, "BlockTables must be yours"),
+    ("03_prefix_sharing", "serve_prefix_cache",
+     ("fork", "append_slot", "free_table", "hash_chain", "PrefixCache", "longest_cached_prefix"),
+     {"PrefixCache": "PrefixCache"}, "PrefixCache must be yours"),
+    ("03_prefix_sharing", "serve_prefix_cache",
+     ("fork", "append_slot", "free_table", "hash_chain", "PrefixCache", "longest_cached_prefix"),
+     {"free_table": "free_table"}, "free_table must be yours"),
+])
+def test_serving_checks_take_the_learners_parts_inside_the_block_manager(stage, check, parts, swap, why):
+    """The given cell's ``BlockManager.factory`` around the solution's parts passes the preflight (no adapter
+    class in the notebook); the package's own part in its place is refused before the model loads."""
+    from tinypaged.course import checks
+    from tinypaged.course.checks.serving import check_plugins
+    from tinypaged.kv import block_manager
+
+    ns = _solution_cells(stage, parts)
+    plugins = ns["plugins"]
+    serve = checks.get(check)
+    check_plugins(plugins, ("kv_cache_manager",))
+    serve_module = __import__(f"tinypaged.course.checks.stage{stage[:2]}", fromlist=["_preflight"])
+    serve_module._preflight(plugins)  # the solution's parts: accepted
+    mine = {p: ns[p] for p in parts if p in block_manager.PARTS}
+    theirs = dict(mine, **{k: block_manager.PARTS[v] for k, v in swap.items()})
+    bad = dict(plugins, kv_cache_manager=block_manager.BlockManager.factory(**theirs))
+    (outcome,) = checks.observe(serve, bad)["outcomes"]
+    assert why in outcome.get("error", ""), outcome

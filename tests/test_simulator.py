@@ -158,6 +158,30 @@ def test_bad_configurations_are_refused_with_the_reason():
         ModelFreeEngine(EngineConfig(model="x", device="cpu", kv_cache_tokens=64, preemption_mode="swap"))
 
 
+@pytest.mark.parametrize("kv_cache", ["paged", "contiguous"])
+@pytest.mark.parametrize("knob", [dict(kv_cache_tokens=300), dict(num_gpu_blocks_override=20)])
+def test_the_simulator_sizes_its_cache_with_the_engines_sizing(kv_cache, knob):
+    """One sizing function (tinypaged.kv.sizing) for both: the same knobs give the same cache."""
+    from tinypaged.config import EngineConfig
+
+    common = dict(kv_cache=kv_cache, block_size=8, max_model_len=64, **knob)
+    with quiet(), shared_weights():
+        real = LLM("tiny", device="cpu", **common).llm_engine.kv
+    sim = ModelFreeEngine(EngineConfig(model="tiny", device="cpu", **common)).kv
+    [name] = knob
+    want = {"kv_cache_tokens": 296 if kv_cache == "paged" else 300, "num_gpu_blocks_override": 20 * 8}[name]
+    assert sim.capacity_tokens == real.capacity_tokens == want
+
+
+def test_the_simulator_refuses_a_cache_smaller_than_a_block_like_the_engine():
+    # before: the block manager's "needs at least one block, got num_blocks=0", which named no knob
+    words = r"^kv_cache_tokens=4 gives a KV cache of 4 tokens, less than one block of block_size=8 tokens"
+    with pytest.raises(ValueError, match=words + r": raise kv_cache_tokens or lower block_size"):
+        simulate(serving_trace("alpaca", 3, None, seed=0), FIXED, "vllm", kv_cache_tokens=4, block_size=8)
+    with quiet(), pytest.raises(ValueError, match=words + r" \(4096 bytes\): raise kv_cache_tokens"):
+        LLM("tiny", device="cpu", kv_cache_tokens=4, block_size=8, max_model_len=64)
+
+
 def test_roofline_is_a_plain_formula():
     m = RooflineCostModel("toy", params=1e9, weight_bytes=2e9, num_layers=2, hidden=8, kv_bytes_per_token=100,
                           peak_flops=1e12, hbm_bandwidth=1e12, per_step=0.5)

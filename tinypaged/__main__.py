@@ -25,16 +25,6 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
-
-
 def temperature(text: str) -> float:
     try:
         value = float(text)
@@ -62,11 +52,12 @@ def main(argv=None) -> int:
         g = sub.add_parser(name)
         g.add_argument("prompts", nargs="+", type=prompt)
         g.add_argument("--model", default="smollm2-135m", help="'smollm2-135m', 'tiny' or a local folder")
-        g.add_argument("--max-tokens", type=positive_int, default=32)
+        g.add_argument("--max-tokens", type=server.int_at_least(1), default=32)
         g.add_argument("--temperature", type=temperature, default=0.0)
         g.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"])
         g.add_argument("--enable-prefix-caching", action="store_true")
-        g.add_argument("--attention-backend", default="torch", choices=["torch", "triton"])
+        g.add_argument("--attention-backend", default=None, choices=["torch", "sdpa", "triton"],
+                       help="torch (reference), sdpa (fused; the default) or triton")
         g.add_argument("--trace", action="store_true", help="print one line per engine step")
     args = ap.parse_args(argv)
     try:

@@ -7,7 +7,6 @@ import math
 import numbers
 import os
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.f
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV space is a fixed size
 CPU_DEFAULT_MAX_MODEL_LEN = 2048  # a CPU-friendly cap on the model's own context (8192 for SmolLM2)
 SCHEDULING_POLICIES = ("continuous", "static")  # the built-in policies, by name
+ATTENTION_BACKENDS = ("torch", "sdpa", "triton")  # the built-in attention backends, by name
 
 # The knobs that take one of a few strings.
 CHOICES = {
@@ -53,7 +53,7 @@ BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", 
 class EngineConfig:
     """The engine's knobs (vLLM's names). ``__post_init__`` checks every one and fills two defaults:
 
-    * ``scheduling_policy`` None means ``"continuous"``; ``scheduler`` (deprecated) folds into it.
+    * ``scheduling_policy`` None means ``"continuous"``.
     * ``enable_chunked_prefill`` None means on where the policy can split prompts (every policy but
       ``"static"``), as vLLM v1 has it on by default; True together with ``"static"`` is an error.
     """
@@ -83,16 +83,17 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
-    attention_backend: Any = "torch"  # "torch", "triton", a paged decode function, or an AttentionBackend
-    # course-only: True runs fused QKV and gate/up projections and
-    # attention_backend="torch" through scaled_dot_product_attention (tinypaged/model/fused.py); False runs
-    # the readable reference path of lessons 1-3 (seven projections, attend_gathered). Same tokens.
+    # "torch" (the reference of lessons 2-3: gather, then attend_gathered), "sdpa" (torch's fused attention
+    # kernel), "triton" (stage 5's kernels), a paged decode function, or an AttentionBackend; None: "sdpa" when
+    # fast_path is on, else "torch" (the name is filled in at construction, so the config says what runs)
+    attention_backend: Any = None
+    # course-only: True runs fused QKV and gate/up projections (tinypaged/model/fused.py) and picks "sdpa" for an
+    # unset attention_backend; False runs the readable reference path of lessons 1-3 (seven projections). Same tokens.
     fast_path: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
     kv_cache_manager: Any = None  # a factory(spec: KVCacheSpec) -> KVCacheManager; None: kv_cache's own
     check_invariants: bool | None = None  # the costlier per-step checks; None: on when a plug-in is given
     history_size: int = 4096  # steps kept in LLMEngine.history (a bounded deque); 0 keeps none
-    scheduler: str | None = None  # deprecated alias of scheduling_policy (this release only); folded into it
 
     def __post_init__(self) -> None:
         self.verify()
@@ -110,7 +111,6 @@ class EngineConfig:
     def verify(self) -> None:
         """Check every knob (types first, then ranges, then knobs that must agree); fill the policy defaults."""
         self._verify_types()
-        self._fold_deprecated_scheduler()
         self._verify_policy()
 
         def bad(msg):
@@ -120,9 +120,11 @@ class EngineConfig:
             bad(f"device={self.device!r} but CUDA is not available; use device='cpu'")
         if self.preemption_mode == "swap" and self.kv_cache != "paged":
             bad("preemption_mode='swap' moves blocks, so it needs kv_cache='paged'")
-        if isinstance(self.attention_backend, str) and self.attention_backend not in ("torch", "triton"):
-            bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'triton', a paged decode function "
-                f"or an AttentionBackend object")
+        if self.attention_backend is None:
+            self.attention_backend = "sdpa" if self.fast_path else "torch"
+        if isinstance(self.attention_backend, str) and self.attention_backend not in ATTENTION_BACKENDS:
+            bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'sdpa', 'triton', a paged decode "
+                f"function or an AttentionBackend object")
         if self.attention_backend == "triton" and self.kv_cache != "paged":
             bad("attention_backend='triton' reads block tables, so it needs kv_cache='paged'")
         from tinypaged import triton_mode
@@ -183,8 +185,8 @@ class EngineConfig:
     def _verify_backend_signature(self) -> None:
         """A decode function, or a backend object's methods, must take what the engine passes them."""
         backend = self.attention_backend
-        if isinstance(backend, (str, type)):
-            return  # a name (checked in verify), or a class built by the engine (its methods checked then)
+        if backend is None or isinstance(backend, (str, type)):
+            return  # unset, a name (checked in verify), or a class built by the engine (its methods checked then)
         if hasattr(backend, "decode") or hasattr(backend, "write"):
             calls = {"decode": "decode(query, key_cache, value_cache, batch, scale)",
                      "write": "write(key_cache, value_cache, key, value, slot_mapping)"}
@@ -194,23 +196,9 @@ class EngineConfig:
                     raise TypeError(f"attention_backend {type(backend).__name__}.{name} cannot be called as "
                                     f"{call} (tinypaged.interfaces.AttentionBackend)")
         elif not callable(backend) or not _accepts_arguments(backend, 6):
-            raise TypeError(f"attention_backend={backend!r} must be 'torch', 'triton', an AttentionBackend object, "
+            raise TypeError(f"attention_backend={backend!r} must be 'torch', 'sdpa', 'triton', an AttentionBackend object, "
                             f"or a paged decode function called as fn(query, k_cache, v_cache, block_tables, "
                             f"context_lens, scale) (paged_attention_decode's signature)")
-
-    def _fold_deprecated_scheduler(self) -> None:
-        """``scheduler=`` (deprecated) becomes ``scheduling_policy``; both given and different is an error."""
-        if self.scheduler is None:
-            return
-        if self.scheduler not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduler={self.scheduler!r}: use 'continuous' or 'static' (better: pass it as "
-                             f"scheduling_policy=, the one policy knob)")
-        warnings.warn(f"scheduler= is deprecated and will be removed after this release; use "
-                      f"scheduling_policy={self.scheduler!r}", FutureWarning, stacklevel=5)
-        if self.scheduling_policy is not None and self.scheduling_policy != self.scheduler:
-            raise ValueError(f"scheduler={self.scheduler!r} and scheduling_policy={self.scheduling_policy!r} "
-                             f"disagree; pass only scheduling_policy (scheduler is its deprecated alias)")
-        self.scheduling_policy, self.scheduler = self.scheduler, None
 
     def _verify_policy(self) -> None:
         """The one policy knob, and chunked prefill where that policy can split prompts."""

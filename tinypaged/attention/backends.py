@@ -35,10 +35,29 @@ def gather_kv(cache: torch.Tensor, block_table, context_len: int) -> torch.Tenso
     of physical block ``block_table[j // block_size]``. Blocks beyond the context are never read.
     A batch of tables ``[num_seqs, max_blocks]`` gathers ``[num_seqs, context_len, ...]`` at once.
     """
-    bs = cache.shape[1]
+    block_size = cache.shape[1]
     table = torch.as_tensor(block_table, dtype=torch.long, device=cache.device)
     j = torch.arange(context_len, device=cache.device)
-    return cache[table[..., j // bs], j % bs]
+    return cache[table[..., j // block_size], j % block_size]
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    """Decode attention over a paged cache, one sequence at a time: the readable reference.
+
+    query [num_seqs, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [num_seqs, max_blocks];
+    seq_lens [num_seqs]. Query head h reads KV head ``h // (H // KVH)``; only the first ``seq_lens[s]``
+    keys of sequence s count. ``DecodeFunctionBackend(paged_attention)`` serves with it.
+    """
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for s in range(query.shape[0]):
+        n = int(seq_lens[s])
+        k = gather_kv(key_cache, block_tables[s], n).repeat_interleave(group, dim=1)    # [n, heads, dim]
+        v = gather_kv(value_cache, block_tables[s], n).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", query[s], k) * scale
+        out[s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+    return out
 
 
 def paged_context_slots(block_tables: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:

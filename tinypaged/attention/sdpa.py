@@ -1,7 +1,7 @@
 """Decode and prefill through torch's fused attention kernel (the engine's fast form of ``TorchBackend``).
 
 ``TorchBackend``'s slots and masks, ``torch.nn.functional.scaled_dot_product_attention`` for the maths (one
-kernel, no [B, H, C] score tensor kept around). The engine uses it for ``attention_backend="torch"`` when
+kernel, no [B, H, C] score tensor kept around). ``attention_backend="sdpa"``, the default when
 ``fast_path`` is on; tests/test_fast_path.py checks it equals the reference ``TorchBackend``.
 """
 
@@ -14,7 +14,7 @@ from tinypaged.attention.backends import TorchBackend
 
 
 class SDPABackend(TorchBackend):
-    """``attention_backend="torch"`` on the fast path: ``TorchBackend``'s slots and masks, torch's fused
+    """``attention_backend="sdpa"``: ``TorchBackend``'s slots and masks, torch's fused
     attention kernel. Keys a query may not see (past its context, or after it in a prefill) are masked."""
 
     def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:

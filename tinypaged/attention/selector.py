@@ -8,11 +8,10 @@ from tinypaged.attention.sdpa import SDPABackend
 from tinypaged.interfaces import BACKEND_REQUIRED, require
 
 
-def make_backend(choice, block_size: int, fast_path: bool = False):
-    """"torch", "triton", a decode function, or a backend object (checked against the protocol).
-    ``fast_path`` runs "torch" through torch's fused attention (``tinypaged.attention.sdpa.SDPABackend``)."""
-    if choice == "torch" and fast_path:
-
+def make_backend(choice, block_size: int):
+    """"torch" (the reference), "sdpa" (torch's fused attention), "triton" (stage 5's kernels), a paged decode
+    function, or a backend object (checked against the protocol)."""
+    if choice == "sdpa":
         return SDPABackend()
     if choice == "torch":
         return TorchBackend()
@@ -25,5 +24,5 @@ def make_backend(choice, block_size: int, fast_path: bool = False):
         return choice
     if callable(choice):
         return DecodeFunctionBackend(choice)
-    raise TypeError(f"attention_backend={choice!r}: use 'torch', 'triton', a paged decode function or an "
+    raise TypeError(f"attention_backend={choice!r}: use 'torch', 'sdpa', 'triton', a paged decode function or an "
                     f"AttentionBackend object")

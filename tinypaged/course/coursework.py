@@ -5,6 +5,7 @@
     python -m tinypaged.course lint              # check the solution notebooks' nbgrader metadata
     python -m tinypaged.course release           # the nbgrader course: source/ and release/ under course/
     python -m tinypaged.course grade NB... [--json] [--csv FILE] [--feedback DIR] [--unsafe-no-sandbox]
+    python -m tinypaged.course student-edition OUT [ASSIGNMENT ...]   # the package with the graded bodies stubbed
 
 ``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
 :mod:`tinypaged.course.grading.notebook`). ``generate`` runs nbgrader's ``generate_assignment`` on each in a
@@ -360,6 +361,10 @@ def main(argv=None) -> int:
     rel = sub.add_parser("release", help="set up the nbgrader course (source/, release/, gradebook)")
     rel.add_argument("assignments", nargs="*", help="assignment names (default: every solution notebook)")
     rel.add_argument("--course", type=Path, default=None, help="course root (default: nbgrader_config.py's)")
+    se = sub.add_parser("student-edition", help="write the package with the assignments' graded bodies stubbed "
+                                               "(tinypaged.course.student_edition)")
+    se.add_argument("out", type=Path, help="a new folder for the edition (pip install it, or put it on PYTHONPATH)")
+    se.add_argument("assignments", nargs="*", help="assignment names (default: every solution notebook)")
     g = sub.add_parser("grade", help="run and score submitted notebooks, each in its own kernel")
     g.add_argument("notebooks", nargs="+", type=Path)
     g.add_argument("--json", action="store_true", help="print the reports as JSON")
@@ -401,6 +406,18 @@ def main(argv=None) -> int:
                 print(f"  {p}")
             status |= bool(problems)
         return status
+    if args.cmd == "student-edition":
+        from tinypaged.course import student_edition
+
+        try:
+            report = student_edition.write(args.out, args.assignments or None)
+        except (FileExistsError, ValueError) as e:
+            print(f"student-edition: {e}", file=sys.stderr)
+            return 2
+        for path, functions in sorted(report.items()):
+            print(f"{path}: {len(functions)} stubbed ({', '.join(functions)})")
+        print(f"wrote the student edition to {args.out} (install it with: pip install --no-deps {args.out})")
+        return 0
     if args.cmd == "release":
         course = args.course or course_root()
         sols = [s for s, _ in pairs()]

@@ -29,7 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 # Where the engine's code lives (the classroom is not searched: it holds no second copy).
 PACKAGE_DIRS = ("tinypaged", "kernels")
 SKIP_DIRS = ("tinypaged/course",)
-STUB_MESSAGE = "student edition: {assignment}, part {part}: write it in the exercise (the full package has it)"
 
 
 @dataclass
@@ -170,13 +169,25 @@ def _find(tree: ast.Module, dotted: str):
     return node
 
 
-def stub_file(text: str, stubs: list[tuple[str, str]]) -> str:
-    """Replace the body of each (dotted function name, message) in ``text`` by ``raise NotImplementedError``,
-    keeping its signature, decorators and docstring. Bodies are cut by line, bottom first."""
+def _forward(args: ast.arguments) -> str:
+    """The call that hands a function's own parameters on unchanged: ``(self, a, b, *rest, c=c, **kw)``."""
+    out = [a.arg for a in [*args.posonlyargs, *args.args]]
+    if args.vararg:
+        out.append("*" + args.vararg.arg)
+    out += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+    if args.kwarg:
+        out.append("**" + args.kwarg.arg)
+    return ", ".join(out)
+
+
+def stub_file(text: str, stubs: list[tuple[str, str, str]]) -> str:
+    """Replace the body of each (dotted function name, assignment, part) in ``text`` by a call to the learner's
+    definition (:func:`tinypaged.course.handin.learner`), keeping its signature, decorators and docstring. Bodies
+    are cut by line, bottom first."""
     tree = ast.parse(text)
     lines = text.splitlines(keepends=True)
     cuts = []
-    for dotted, message in stubs:
+    for dotted, assignment, part in stubs:
         fn = _find(tree, dotted)
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             raise LookupError(f"{dotted} is not a function of this file")
@@ -190,7 +201,9 @@ def stub_file(text: str, stubs: list[tuple[str, str]]) -> str:
         if first is not None and first.lineno == fn.lineno:
             raise ValueError(f"{dotted}: a one-line body cannot be stubbed by line; give it its own line")
         indent = " " * (first.col_offset if first is not None else body[0].col_offset)
-        cuts.append((start, end, f"{indent}raise NotImplementedError({message!r})\n"))
+        call = (f"{indent}from tinypaged.course.handin import learner  # student edition: your code runs here\n"
+                f"{indent}return learner({assignment!r}, {part!r})({_forward(fn.args)})\n")
+        cuts.append((start, end, call))
     for start, end, stub in sorted(cuts, reverse=True):
         lines[start:end] = [stub]
     out = "".join(lines)
@@ -198,17 +211,32 @@ def stub_file(text: str, stubs: list[tuple[str, str]]) -> str:
     return out
 
 
-def plan(root: Path = ROOT, assignments=None) -> dict[Path, list[tuple[str, str]]]:
-    """file -> [(dotted function, message)] for every written part of the chosen assignments found in the package."""
+def plan(root: Path = ROOT, assignments=None) -> dict[Path, list[tuple[str, str, str]]]:
+    """file -> [(dotted function, assignment, part)] for every written part of the chosen assignments found in the package."""
     definitions = package_definitions(root)
     todo: dict[Path, list] = {}
     for part in graded_parts(root / "solutions", assignments):
         for path, node in definitions.get(part.name, []):
             for dotted in part.written:
                 if _find(ast.Module(body=[node], type_ignores=[]), dotted) is not None:
-                    message = STUB_MESSAGE.format(assignment=part.assignment, part=dotted)
-                    todo.setdefault(path, []).append((dotted, message))
+                    todo.setdefault(path, []).append((dotted, part.assignment, dotted))
     return todo
+
+
+def _store_visible_expectations(out: Path, assignments) -> None:
+    """The visible cases' expected outcomes of every check, computed here with the full package, as data: the
+    edition's references are stubs, and its checks read this file (``checks.STORED_EXPECTED``) instead."""
+    from tinypaged.course import checks
+
+    checks._load_all()
+    stages = {a[:2] for a in assignments} if assignments else None
+    stored = {}
+    for name, check in sorted(checks.REGISTRY.items()):
+        # a check with its own ``expected`` (the serving checks: transformers' tokens) needs no reference
+        if check.expected is None and (stages is None or check.stage in stages):
+            stored[name] = checks.expected_outcomes(name, None)
+    target = out / Path(checks.STORED_EXPECTED).relative_to(Path(checks.__file__).resolve().parents[3])
+    target.write_text(json.dumps(stored, indent=1) + "\n")
 
 
 def _edition_path(rel: Path) -> Path:
@@ -238,7 +266,8 @@ def write(out: Path, assignments=None, root: Path = ROOT) -> dict[str, list[str]
         rel = path.relative_to(root)
         target = out / _edition_path(rel)
         target.write_text(stub_file(target.read_text(), stubs))
-        report[_edition_path(rel).as_posix()] = [d for d, _ in stubs]
+        report[_edition_path(rel).as_posix()] = [d for d, _, _ in stubs]
+    _store_visible_expectations(out, assignments)
     (out / "STUDENT_EDITION.txt").write_text(
         "tinypaged, student edition: the bodies below raise NotImplementedError; the exercises ask for them.\n"
         + "".join(f"{f}: {', '.join(fns)}\n" for f, fns in sorted(report.items())))

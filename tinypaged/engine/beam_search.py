@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinypaged.sampling_params import BeamSearchParams, SamplingParams
-from tinypaged.sequence import Sequence
+from tinypaged.sequence import FinishReason, Sequence
 
 
 @dataclass
@@ -172,7 +172,8 @@ def _advance(sched, st: _PromptState, logprobs: torch.Tensor, params: BeamSearch
         for parent, token, val, stops in cands[:width]:
             if stops:
                 tokens = st.beams[parent].token_ids + [token]
-                new.append((val / (gen_len ** lp), tokens, float(val), "length" if token not in eos else "stop"))
+                reason = FinishReason.LENGTH if token not in eos else FinishReason.STOP
+                new.append((val / (gen_len ** lp), tokens, float(val), reason))
         if new:
             merged = sorted(st.finished + new, key=lambda h: -float(h[0]))  # stable: older first on ties
             st.finished = merged[:width]
@@ -186,7 +187,7 @@ def _advance(sched, st: _PromptState, logprobs: torch.Tensor, params: BeamSearch
     chosen = {parent for parent, *_ in running} if not done else set()
     for j, b in enumerate(st.beams):  # free the beams nobody continues (before forking: blocks return)
         if j not in chosen:
-            sched.finish(b, "length" if at_max else "stop")
+            sched.finish(b, FinishReason.LENGTH if at_max else FinishReason.STOP)
     if done:
         st.beams, st.done = [], True
         return

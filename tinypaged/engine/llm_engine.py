@@ -24,7 +24,7 @@ from tinypaged.model.fused import fuse_projections
 from tinypaged.engine.input_processor import InputProcessor, Request, sample_generator
 from tinypaged.interfaces import POLICY_REQUIRED, require
 from tinypaged.kv.managers import build_kv_manager
-from tinypaged.engine.metrics import EngineMetrics, kv_waste_tokens
+from tinypaged.engine.metrics import EngineMetrics
 from tinypaged.model.loader import eos_token_ids, load_model, load_tokenizer
 from tinypaged.worker.model_runner import ModelRunner, memory_snapshot
 from tinypaged.engine.output_processor import OutputProcessor
@@ -66,7 +66,7 @@ class LLMEngine:
         self._tokenizer = None
         self.generator = torch.Generator().manual_seed(config.seed)
         checking = config.has_plugins if config.check_invariants is None else config.check_invariants
-        backend = make_backend(config.attention_backend, config.block_size, config.fast_path)
+        backend = make_backend(config.attention_backend, config.block_size)
         self.runner = ModelRunner(self.model, self.device, backend, checking)
         self.bytes_per_token = self.runner.bytes_per_token
         # the runner sizes and allocates the cache; the KV manager (built-in or a plug-in) manages it
@@ -119,9 +119,6 @@ class LLMEngine:
 
     def clock(self) -> float:
         return time.perf_counter() - self._t0
-
-    def reset_clock(self) -> None:
-        self._t0 = time.perf_counter()
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -239,10 +236,6 @@ class LLMEngine:
     @property
     def history(self):
         return self.metrics.history
-
-    def kv_waste_tokens(self) -> int:
-        """Slots allocated but holding no token state (paged: the unfilled tail of last blocks)."""
-        return kv_waste_tokens(self.kv, self.scheduler.running)
 
     def get_metrics(self) -> dict:
         """Counters, queue sizes and the KV manager's statistics (computed on demand)."""

@@ -26,6 +26,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tinypaged.sequence import FinishReason
+
 logger = logging.getLogger("tinypaged")
 
 
@@ -169,7 +171,7 @@ class EngineLoop:
                 self.observer.on_step(result)
             self._dispatch(result)
         for rid in list(self._live):
-            self._end(rid, Event(rid, 0, "", [], True, "abort"), abort=True)
+            self._end(rid, Event(rid, 0, "", [], True, FinishReason.ABORT), abort=True)
 
     def _handle_inbox(self, block: bool) -> None:
         try:
@@ -188,7 +190,7 @@ class EngineLoop:
                     sub.deliver(Event(req.request_id, 0, "", [], True, None, error=str(exc)))
             elif kind == "abort":
                 if payload in self._live:
-                    self._end(payload, Event(payload, 0, "", [], True, "abort"), abort=True)
+                    self._end(payload, Event(payload, 0, "", [], True, FinishReason.ABORT), abort=True)
             elif kind == "call":
                 fn, fut = payload
                 try:

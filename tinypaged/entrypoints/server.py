@@ -553,14 +553,18 @@ def port_number(text: str) -> int:
     return value
 
 
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
+def int_at_least(lowest: int):
+    """An argparse type: an integer >= ``lowest``, or a one-line error naming what was given."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
 
 
 def plugin(text: str):
@@ -573,10 +577,10 @@ def plugin(text: str):
 
 
 def attention_backend(text: str):
-    if text in ("torch", "triton"):
+    if text in ("torch", "sdpa", "triton"):
         return text
     if ":" not in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give torch, triton, or MODULE:NAME of a decode function")
+        raise argparse.ArgumentTypeError(f"{text!r}: give torch, sdpa, triton, or MODULE:NAME of a decode function")
     return plugin(text)
 
 
@@ -585,7 +589,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=port_number, default=8000)
-    ap.add_argument("--max-queued-requests", type=non_negative_int, default=256,
+    ap.add_argument("--max-queued-requests", type=int_at_least(0), default=256,
                     help="requests that may wait beyond max_num_seqs before the server answers 503 (course)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="auto")
@@ -599,8 +603,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-manager", default=None, metavar="MODULE:NAME", type=plugin,
                     help="a KV-manager factory to plug in (e.g. a learner's, from a .py file: path/to/file.py:Name)")
     ap.add_argument("--scheduling-policy", default=None, metavar="MODULE:NAME", type=plugin)
-    ap.add_argument("--attention-backend", default="torch", type=attention_backend,
-                    help="torch, triton, or MODULE:NAME of a decode function")
+    ap.add_argument("--attention-backend", default=None, type=attention_backend,
+                    help="torch (reference), sdpa (torch's fused attention), triton, or MODULE:NAME of a decode "
+                         "function (default: sdpa, the fast path)")
 
 
 def load_object(spec: str):

@@ -5,14 +5,15 @@ A sequence owns a *block table*: logical block i (its tokens ``i*block_size`` ..
 lives in physical block ``block_table[i]``; token p's slot is ``attention.slot_mapping``'s
 ``block_table[p // block_size] * block_size + p % block_size``.
 
-The pieces are the assignments' answers, in the shape they ask for: ``BlockTables`` (stage 2), and
-``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix`` (stage 3), which take a
-``BlockPool`` where the exercises take a ``refcounts`` dict and an allocator (``BlockPool(allocator,
-refcounts=refcounts)`` is that pair). ``BlockManager`` runs them for the engine.
+The pieces are the assignments' answers, line for line: ``BlockTables`` (stage 2), and ``fork``,
+``append_slot``, ``free_table`` and ``longest_cached_prefix`` (stage 3), over stage 2's ``BlockAllocator`` and
+stage 3's ``PrefixCache`` (``tinypaged.kv.block_pool``). ``BlockManager`` is the engine's manager built from
+them; ``BlockManager.factory(BlockAllocator=..., fork=..., ...)`` builds it from other parts (a learner's), so
+they serve through ``LLM(kv_cache_manager=...)`` with nothing else changed.
 
 Invariants (checked by the property tests):
 
-* A block is either free (in the pool's queue) or held by ``ref_count`` block tables, never both.
+* A block is either free (in the free queue) or held by ``ref_count`` block tables, never both.
 * Blocks are allocated one at a time as a sequence grows, never reserved up front, so the only waste is
   the unfilled tail of each sequence's last block.
 * Sharing (stage 3): ``fork`` gives a child the parent's table and bumps each block's count. A block is
@@ -20,7 +21,7 @@ Invariants (checked by the property tests):
   block, it gets a private copy (copy-on-write).
 * Prefix caching (stage 3; hash-and-LRU caching as in vLLM since 2024, not the paper's reserved shared
   prefixes): a block's hash is registered once the block is *full* of known tokens. Freed blocks keep
-  it (``BlockPool``'s LRU); sequences free their blocks tail first, so the ends of prefix chains are
+  it (the ``PrefixCache``'s LRU); sequences free their blocks tail first, so the ends of prefix chains are
   evicted before their beginnings. Lookups are capped at ``len(seq) - 1`` tokens, and the hit rate
   (``record_prefix_lookup``) is counted in tokens, only while prefix caching is on.
 * Ownership: this manager alone owns block tables and reference counts (``block_ids(seq)`` reads them).
@@ -29,70 +30,77 @@ Invariants (checked by the property tests):
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from tinypaged.attention.backends import slot_mapping
 # ROOT_HASH and hash_block_tokens are re-exported: lessons and tests import them from here
-from tinypaged.kv.block_pool import ROOT_HASH, BlockPool, blocks_needed, hash_block_tokens, hash_chain  # noqa: F401
+from tinypaged.kv.block_pool import (ROOT_HASH, BlockAllocator, PrefixCache, blocks_needed,  # noqa: F401
+                                     hash_block_tokens, hash_chain)
 from tinypaged.kv.swap_space import SwapSpace
 
 
-# -- stage 3: one table at a time ----------------------------------------------------------------------
-def fork_table(table: list[int], pool) -> list[int]:
+# -- stage 3: one table at a time (a table is a list of block ids; refcounts: block -> tables holding it) --
+def fork(table: list[int], refcounts: dict[int, int]) -> list[int]:
     """The child's table: the same blocks, each held by one more table. Nothing is copied."""
     for b in table:
-        pool.touch(b)
+        refcounts[b] += 1
     return list(table)
 
 
-def append_slot(table: list[int], num_tokens: int, block_size: int, pool):
+def append_slot(table: list[int], num_tokens: int, block_size: int, refcounts: dict[int, int], allocator):
     """Make room for the token at position ``num_tokens`` (the table holds ``num_tokens`` tokens); return
     ``(src, dst)`` when a shared, partly filled last block must be copied first (copy-on-write), else None."""
     if num_tokens % block_size == 0:
-        table.append(pool.allocate())
+        new = allocator.allocate()
+        refcounts[new] = 1
+        table.append(new)
         return None
     last = table[-1]
-    if pool.ref_count(last) == 1:
-        return None  # ours alone: write in place
-    private = pool.allocate()
-    pool.free(last)  # this table's reference moves to the copy; the others keep the shared block
-    table[-1] = private
-    return (last, private)
+    if refcounts[last] == 1:
+        return None
+    new = allocator.allocate()
+    refcounts[last] -= 1
+    refcounts[new] = 1
+    table[-1] = new
+    return (last, new)
 
 
-def free_table(table: list[int], pool) -> None:
-    """Drop this table's references, tail first (the ends of prefix chains are evicted first)."""
+def free_table(table: list[int], refcounts: dict[int, int], allocator) -> None:
+    """Drop this table's references, tail first (the ends of prefix chains are evicted first); a block no
+    table holds any more goes back to ``allocator``."""
     for b in reversed(table):
-        pool.free(b)
+        refcounts[b] -= 1
+        if refcounts[b] == 0:
+            del refcounts[b]
+            allocator.free(b)
     table.clear()
 
 
-def longest_cached_prefix(token_ids, block_size: int, cache, extra_keys=None) -> list[int]:
+def longest_cached_prefix(token_ids: list[int], block_size: int, cache, extra_keys=None) -> list[int]:
     """Block ids of the longest run of cached full blocks from the start, capped at len - 1 tokens (the
     last prompt token must run through the model so there are logits to sample from)."""
     hit = []
     for h in hash_chain(token_ids[: len(token_ids) - 1], block_size, extra_keys):
-        b = cache.lookup(h)
-        if b is None:
+        block_id = cache.lookup(h)
+        if block_id is None:
             break
-        hit.append(b)
+        hit.append(block_id)
     return hit
 
 
 # -- stage 2: a block table per sequence -------------------------------------------------------------
 class BlockTables:
-    """One block table per sequence (any hashable id), grown a block at a time, all or nothing, from
-    ``allocator`` (anything with ``allocate()``, ``free(block_id)`` and ``num_free``)."""
+    """One block table per sequence (any hashable id) in ``tables``, grown a block at a time, all or nothing,
+    from ``allocator`` (anything with ``allocate()``, ``free(block_id)`` and ``num_free``)."""
 
     def __init__(self, allocator, block_size: int):
         self.allocator, self.block_size = allocator, block_size
-        self.tables: dict = {}
-
-    def block_ids(self, seq_id) -> list[int]:
-        return list(self.tables.get(seq_id, ()))
+        self.tables = {}
 
     def allocate_slots(self, seq_id, num_tokens: int) -> bool:
         """Make the table hold ``num_tokens`` tokens in total; False (and no change) if blocks are short."""
         table = self.tables.get(seq_id, [])
-        need = blocks_needed(num_tokens, self.block_size) - len(table)
+        need = -(-num_tokens // self.block_size) - len(table)
         if need > self.allocator.num_free:
             return False
         self.tables[seq_id] = table
@@ -100,70 +108,114 @@ class BlockTables:
             table.append(self.allocator.allocate())
         return True
 
+    def block_ids(self, seq_id) -> list[int]:
+        return list(self.tables.get(seq_id, []))
+
     def free(self, seq_id) -> None:
-        free_table(self.tables.pop(seq_id, []), self.allocator)
+        """Every block of the table back to the allocator, last block first."""
+        for block_id in reversed(self.tables.pop(seq_id, [])):
+            self.allocator.free(block_id)
 
     def slots(self, seq_id, positions) -> list[int]:
         return slot_mapping(self.tables.get(seq_id, []), positions, self.block_size)
 
 
+# The parts a BlockManager is built from, by the names the assignments give them.
+PARTS = {"BlockAllocator": BlockAllocator, "BlockTables": BlockTables, "PrefixCache": PrefixCache, "fork": fork,
+         "append_slot": append_slot, "free_table": free_table, "hash_chain": hash_chain,
+         "longest_cached_prefix": longest_cached_prefix}
+
+
 class BlockManager:
     """Block tables for sequences: allocation as they grow, sharing, copy-on-write, prefix caching.
 
-    Implements ``tinypaged.interfaces.KVCacheManager``. ``copy_block(src, dst)`` and the swap callbacks
-    are supplied by the engine: they move the actual tensors. The manager only decides *which* blocks.
+    Implements ``tinypaged.interfaces.KVCacheManager``, built from the lessons' parts (``PARTS``; ``parts``
+    replaces any of them by name). The free queue (``allocator``) is a ``BlockAllocator``, or with prefix
+    caching a ``PrefixCache``; ``block_tables`` is a ``BlockTables`` over it; ``refcounts`` counts the
+    tables holding each block (``fork``, ``append_slot``, ``free_table``), so the free queue sees one holder
+    per block in use. ``copy_block(src, dst)`` and the swap callbacks are supplied by the engine: they move
+    the actual tensors. The manager only decides *which* blocks.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 copy_block=None, num_cpu_blocks: int = 0, max_model_len: int | None = None):
+                 copy_block=None, num_cpu_blocks: int = 0, max_model_len: int | None = None, **parts):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
-        self.block_tables = BlockTables(self.pool, block_size)
-        self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
+        if num_blocks < 1:
+            raise ValueError(f"The KV cache needs at least one block, got num_blocks={num_blocks}")
+        self.parts = SimpleNamespace(**{**PARTS, **self.check_parts(parts)})
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = (self.parts.PrefixCache if enable_prefix_caching else self.parts.BlockAllocator)(num_blocks)
+        self.block_tables = self.parts.BlockTables(self.allocator, block_size)
+        self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
+        self.refcounts: dict[int, int] = {}  # block -> how many tables hold it (no entry: free)
         self.max_model_len = max_model_len
         self.copy_block = copy_block or (lambda src, dst: None)
         self.hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full blocks, as far as known
         self.swap = SwapSpace(num_cpu_blocks)
         self.num_cow_copies = 0
+        self.num_evictions = 0  # cached blocks handed out again (their prefix forgotten)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
 
+    @staticmethod
+    def check_parts(parts: dict) -> dict:
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise TypeError(f"BlockManager has no part {unknown[0]!r}; its parts are {', '.join(PARTS)}")
+        return parts
+
     @classmethod
-    def from_spec(cls, spec) -> "BlockManager":
+    def from_spec(cls, spec, **parts) -> "BlockManager":
         return cls(spec.num_blocks, spec.block_size, spec.enable_prefix_caching, spec.copy_block,
-                   spec.num_cpu_blocks, spec.max_model_len)
+                   spec.num_cpu_blocks, spec.max_model_len, **parts)
+
+    @classmethod
+    def factory(cls, **parts):
+        """``LLM(kv_cache_manager=BlockManager.factory(BlockAllocator=MyAllocator, fork=my_fork, ...))``: the
+        engine's manager with the given parts (by ``PARTS``' names) in place of the package's."""
+        cls.check_parts(parts)
+
+        def build(spec):
+            return cls.from_spec(spec, **parts)
+
+        return build
 
     # -- sizes -------------------------------------------------------------------------
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        return self.num_blocks * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        return self.allocator.num_free
 
     @property
     def usage(self) -> float:
         """vLLM's KV usage, O(1): 1 - free / total."""
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
+        return 1.0 - self.allocator.num_free / self.num_blocks
 
     def max_tokens_needed(self, seq) -> int:
         """Blocks are allocated as a sequence grows: it never needs room for more than its longest length."""
         return seq.max_total_tokens(self.max_model_len or len(seq) + (seq.params.max_tokens or 0))
+
+    def ref_count(self, block_id: int) -> int:
+        """How many block tables hold ``block_id`` (0: it is in the free queue)."""
+        return self.refcounts.get(block_id, 0)
+
+    def _num_cached(self) -> int:
+        """Blocks findable by hash (in use or waiting in the free queue)."""
+        return len(getattr(self.allocator, "hash_of", ()))
 
     # -- prefix caching -----------------------------------------------------------------
     def get_computed_blocks(self, seq) -> list[int]:
         """The longest cached prefix of ``seq``'s known tokens, in whole blocks (none while it holds blocks)."""
         if not self.enable_prefix_caching or self.tables.get(seq.seq_id):
             return []
-        return longest_cached_prefix(seq.token_ids, self.block_size, self.pool, getattr(seq, "extra_keys", None))
+        return self.parts.longest_cached_prefix(seq.token_ids, self.block_size, self.allocator,
+                                                getattr(seq, "extra_keys", None))
 
     def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
         """Count a new request's lookup, in tokens (vLLM's hit rate); nothing when caching is off."""
@@ -175,23 +227,23 @@ class BlockManager:
     def _register_full_blocks(self, seq, num_tokens: int) -> None:
         """Publish the hash of every block this step fills: its tokens are known, its KV is written by this
         step's forward before any later step (or later attention layer) can read it. Hashes are memoised
-        per sequence while it holds blocks."""
+        per sequence while it holds blocks; a prefix-cache hit is registered again, which changes nothing."""
         known = self.hashes.get(seq.seq_id, [])
         full = min(num_tokens, len(seq)) // self.block_size
         if full <= len(known):
             return
-        hashes = self.hashes[seq.seq_id] = hash_chain(seq.token_ids[: full * self.block_size], self.block_size,
-                                                      getattr(seq, "extra_keys", None), known)
+        hashes = self.hashes[seq.seq_id] = self.parts.hash_chain(seq.token_ids[: full * self.block_size],
+                                                                 self.block_size, getattr(seq, "extra_keys", None),
+                                                                 known)
         table = self.tables[seq.seq_id]
         for i in range(len(known), full):
-            if self.pool.hash_of.get(table[i]) is None:
-                self.pool.register(table[i], hashes[i])
+            self.allocator.register(table[i], hashes[i])
 
     # -- allocation ---------------------------------------------------------------------
     def _copy_on_write(self, table: list[int], start: int) -> bool:
         """Does the token at ``start`` land in the table's last block while another table shares it?"""
         return start % self.block_size != 0 and len(table) == blocks_needed(start, self.block_size) \
-            and self.pool.ref_count(table[-1]) > 1
+            and self.ref_count(table[-1]) > 1
 
     def can_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         table = self.tables.get(seq.seq_id, ())
@@ -199,9 +251,10 @@ class BlockManager:
         need = blocks_needed(start + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
         if num_new_tokens and self._copy_on_write(table, start):
             need += 1
+        free = self.allocator.num_free
         if computed_blocks:  # cached blocks sitting in the free queue stop being free once taken
-            return max(need, 0) + sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0) <= self.pool.num_free
-        return need <= self.pool.num_free
+            return max(need, 0) + sum(1 for b in computed_blocks if self.ref_count(b) == 0) <= free
+        return need <= free
 
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         """Make room for ``num_new_tokens`` tokens of ``seq`` after its computed ones; False (and no change)
@@ -209,32 +262,42 @@ class BlockManager:
         new tokens start after them. ``seq`` itself is not changed (the scheduler advances its progress)."""
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
+        cached = self._num_cached()
         table = self.tables.setdefault(seq.seq_id, [])
         for block in computed_blocks:
-            self.pool.touch(block)
+            if self.ref_count(block) == 0:
+                self.allocator.touch(block)  # a hit waiting in the free queue leaves it
+            self.refcounts[block] = self.ref_count(block) + 1
             table.append(block)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         end = start + num_new_tokens
         if num_new_tokens and len(table) == blocks_needed(start, self.block_size):
-            copy = append_slot(table, start, self.block_size, self.pool)  # the first new token's block
+            copy = self.parts.append_slot(table, start, self.block_size, self.refcounts, self.allocator)
             if copy is not None:
                 self.copy_block(*copy)  # done now, before the forward reads it
                 self.num_cow_copies += 1
-        if len(table) < blocks_needed(end, self.block_size):
+        held = len(table)
+        if held < blocks_needed(end, self.block_size):
             self.block_tables.allocate_slots(seq.seq_id, end)
+            for block in self.tables[seq.seq_id][held:]:
+                self.refcounts[block] = 1
+        self.num_evictions += cached - self._num_cached()
         if self.enable_prefix_caching:
             self._register_full_blocks(seq, end)
         return True
 
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts go up; nothing is copied)."""
-        self.tables[child.seq_id] = fork_table(self.tables.get(parent.seq_id, []), self.pool)
+        self.tables[child.seq_id] = self.parts.fork(self.tables.get(parent.seq_id, []), self.refcounts)
         self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
+
+    def _release(self, seq_id) -> None:
+        self.parts.free_table(self.tables.pop(seq_id, []), self.refcounts, self.allocator)
+        self.hashes.pop(seq_id, None)
 
     def free(self, seq) -> None:
         """Release ``seq``'s blocks, tail first (see the eviction-order invariant above)."""
-        self.block_tables.free(seq.seq_id)
-        self.hashes.pop(seq.seq_id, None)
+        self._release(seq.seq_id)
         self.swap.drop(seq.seq_id)  # a swapped-out sequence that is aborted
 
     # -- swapping (preemption_mode="swap", vLLM v0; tinypaged.kv.swap_space) ------------------
@@ -248,42 +311,43 @@ class BlockManager:
     def swap_out(self, seqs, copy_to_cpu) -> None:
         self.swap.swap_out({s.seq_id: self.tables.get(s.seq_id, []) for s in seqs}, copy_to_cpu)
         for s in seqs:
-            self.block_tables.free(s.seq_id)
-            self.hashes.pop(s.seq_id, None)  # its blocks come back unhashed: registered again on growth
+            self._release(s.seq_id)  # its blocks come back unhashed: registered again on growth
 
     def can_swap_in(self, seqs, num_new_tokens: int = 1) -> bool:
         """Room for the swapped blocks plus what each sequence's next ``num_new_tokens`` need (and a
         copy-on-write), so the allocation right after swapping in cannot fail."""
         grow = sum(max(blocks_needed(s.num_computed_tokens + num_new_tokens, self.block_size)
                        - len(self.swap.swapped.get(s.seq_id, [])), 0) + 1 for s in seqs)
-        return len(self.swap.blocks_of([s.seq_id for s in seqs])) + grow <= self.pool.num_free
+        return len(self.swap.blocks_of([s.seq_id for s in seqs])) + grow <= self.allocator.num_free
 
     def swap_in(self, seqs, copy_to_gpu) -> None:
-        self.tables.update(self.swap.swap_in([s.seq_id for s in seqs], self.pool, copy_to_gpu))
+        cached = self._num_cached()
+        self.tables.update(self.swap.swap_in([s.seq_id for s in seqs], self.allocator, self.refcounts, copy_to_gpu))
+        self.num_evictions += cached - self._num_cached()
 
     # -- addressing and accounting ------------------------------------------------------
     def block_ids(self, seq) -> list[int]:
         return self.block_tables.block_ids(seq.seq_id)
 
     def slot_mapping(self, seq, start: int, end: int) -> list[int]:
-        return slot_mapping(self.tables[seq.seq_id], range(start, end), self.block_size)
+        return self.block_tables.slots(seq.seq_id, range(start, end))
 
     def stats(self) -> dict:
         """Counters are O(1); the sharing figures scan every table (call on demand, not per step)."""
-        used = self.pool.num_blocks - self.pool.num_free
+        free = self.allocator.num_free
         return {
-            "kv_num_blocks": self.pool.num_blocks,
+            "kv_num_blocks": self.num_blocks,
             "kv_block_size": self.block_size,
-            "kv_blocks_used": used,
-            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_used": self.num_blocks - free,
+            "kv_blocks_free": free,
             "kv_cache_usage": self.usage,
-            "kv_blocks_shared": sum(1 for c in self.pool.refcounts.values() if c > 1),
-            "kv_blocks_cached": self.pool.num_cached,
+            "kv_blocks_shared": sum(1 for c in self.refcounts.values() if c > 1),
+            "kv_blocks_cached": self._num_cached(),
             # without sharing every table would own its blocks: the sum of table lengths
             "kv_blocks_unshared": sum(len(blocks) for blocks in self.tables.values()),
             "cow_copies": self.num_cow_copies,
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
-            "prefix_cache_evictions": self.pool.num_evictions,
+            "prefix_cache_evictions": self.num_evictions,
         }

@@ -5,27 +5,36 @@ an LRU free queue. SGLang (Zheng et al., 2023; ``python/sglang/srt/mem_cache/rad
 *radix tree*: each edge is a run of token ids together with the KV pages that hold them, so any shared
 prefix, to the token when ``page_size == 1``, is found by walking from the root.
 
-``RadixCache`` (the tree, on plain token lists and page ids):
+``RadixTree`` is stage 7's assignment, line for line (``solutions/07_radix_attention.ipynb``, part a): a tree of
+``Node`` edges whose ``key`` is a run of symbols and ``value`` one page per symbol.
 
 * ``match_prefix(key)`` walks the tree and returns the pages of the longest cached prefix of ``key`` and
-  the node where it ends; a match that ends inside an edge *splits* that node, so every match ends on a node.
-* ``insert(key, pages)`` adds ``key``; returns how many of its tokens were cached already (the caller's pages
-  for those are duplicates: the tree keeps its own) and adopts ``pages`` for the rest.
+  the node where it ends; a match that ends inside an edge *splits* that node (``split_node``), so every match
+  ends on a node.
+* ``insert(key, pages)`` adds ``key``; returns how many of its symbols were cached already (the caller's pages for
+  those are duplicates: the tree keeps its own) and adopts ``pages`` for the rest.
 * ``inc_lock_ref(node)`` / ``dec_lock_ref(node)`` protect a running request's path: a node with
   ``lock_ref > 0`` is never evicted. They move the path's size between ``protected_size`` and
   ``evictable_size``.
-* ``evict(num_tokens)`` frees least recently used unlocked leaves until ``num_tokens`` are freed (or nothing
-  is left to evict); a parent that becomes a leaf may go next.
+* ``evict(n)`` frees least recently used unlocked leaves until ``n`` symbols are freed (or nothing is left to
+  evict); a parent that becomes a leaf may go next. "Recently used" is the tree's logical clock (``tick``), so the
+  order is deterministic; equal stamps go by creation order (``Node.order``).
 
-Invariants (``check_invariants``, run by the property tests): every node's key length is a multiple of
-``page_size`` and equals ``page_size * len(value)``; children are keyed by their first page of tokens; a
-page is held by at most one node; ``evictable_size`` + ``protected_size`` is the tokens in the tree, split by
-whether ``lock_ref`` is 0; a locked node's parent is locked too.
+Pages of more than one token (SGLang's ``page_size > 1``): the tree stays the same, its *symbols* change.
+``page_key(tokens, page_size)`` turns a token list into one symbol per whole page (the tuple of its tokens; a
+partial last page is left out), so the tree matches, splits, locks and evicts whole pages only, its children are
+keyed by their first page and its sizes count pages. At page size 1 a symbol is a token.
 
-``RadixKVManager`` takes any tree with the interface of stage 7's assignment (``tree_factory``): ``root`` (nodes with
-``key``, ``value``, ``parent``, ``children``, ``lock_ref``, ``last_access``), ``evictable_size``, ``protected_size``,
-``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``, ``dec_lock_ref``. It reads the tree through those
-alone (``tree_nodes`` walks it from ``root``), so a learner's tree drives the engine, its metrics and the server.
+``check_tree`` asserts the tree's invariants (the property tests run it): every node holds one page per symbol, is
+found under its parent by its first symbol, and holds pages no other node holds; ``evictable_size`` +
+``protected_size`` is the symbols in the tree, split by whether ``lock_ref`` is 0; a locked node's parent is locked.
+
+``RadixKVManager`` (the engine's ``KVCacheManager``) is built on any tree with the assignment's interface
+(``tree_factory``, ``RadixTree`` by default): ``root`` (nodes with ``key``, ``value``, ``parent``, ``children``,
+``lock_ref``, ``last_access``), ``evictable_size``, ``protected_size``, ``match_prefix``, ``insert``, ``evict``,
+``inc_lock_ref``, ``dec_lock_ref``. It reads the tree through those alone (``tree_nodes`` walks it from ``root``) and
+gives it ``page_key``s, so a learner's page-size-1 tree drives the engine, its metrics and the server at any page
+size.
 
 Labels: the tree, LRU leaf eviction, lock references and output KV kept after a request are the SGLang
 paper's and SGLang today's; publishing a prompt's pages at allocation (so requests in the same step share
@@ -41,7 +50,7 @@ from collections import deque
 
 def tree_nodes(tree):
     """Every node of ``tree`` but the root, parents before children, read through ``root`` and ``children`` only
-    (any tree with the assignment's interface, not just ``RadixCache``)."""
+    (any tree with the assignment's interface)."""
     stack = list(tree.root.children.values())
     while stack:
         node = stack.pop()
@@ -49,121 +58,52 @@ def tree_nodes(tree):
         stack.extend(node.children.values())
 
 
-class TreeNode:
-    """An edge of the tree: ``key`` (token ids) and ``value`` (one KV page per ``page_size`` tokens)."""
+def page_key(token_ids, page_size: int = 1) -> tuple:
+    """The tree's key for ``token_ids``: one symbol per whole page of ``page_size`` tokens (the tuple of its tokens),
+    a partial last page left out; at page size 1 the tokens themselves."""
+    if page_size == 1:
+        return tuple(token_ids)
+    whole = len(token_ids) - len(token_ids) % page_size
+    return tuple(tuple(token_ids[i: i + page_size]) for i in range(0, whole, page_size))
 
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
-    _ids = itertools.count()
+
+def node_tokens(node) -> tuple:
+    """The token ids of a node's edge, whatever its symbols (tokens, or pages as tuples of tokens)."""
+    return tuple(t for sym in node.key for t in (sym if isinstance(sym, tuple) else (sym,)))
+
+
+class Node:
+    """One edge of the tree: ``key`` is a tuple of symbols (token ids at page size 1), ``value`` the page of each."""
+
+    created = itertools.count()  # creation order: the tie-break between equal last_access values
 
     def __init__(self, key=(), value=(), parent=None):
-        self.children: dict[tuple, TreeNode] = {}
+        self.order = next(Node.created)
+        self.children = {}  # first symbol of the child's key -> child
         self.parent = parent
         self.key, self.value = tuple(key), list(value)
-        self.lock_ref = 0
-        self.last_access = 0
-        self.id = next(TreeNode._ids)
+        self.lock_ref = 0  # running requests whose path goes through this node
+        self.last_access = 0  # the tree's clock when a match or insert last walked through it
 
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock={self.lock_ref})"
+        return f"Node(order={self.order}, symbols={len(self.key)}, lock={self.lock_ref})"
 
 
-class RadixCache:
-    """The tree. Pages are plain ints; it never allocates or frees a page itself, it hands them back."""
+class RadixTree:
+    """The tree (stage 7's assignment). Pages are plain ints; it never allocates or frees a page, it hands them back."""
 
-    def __init__(self, page_size: int = 1):
-        if page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
-        self.root = TreeNode()
-        self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_size = 0  # tokens in unlocked nodes
-        self.protected_size = 0  # tokens in locked nodes
-        self._clock = itertools.count(1)  # a logical clock: LRU order is deterministic
+    def __init__(self):
+        self.root = Node()
+        self.root.lock_ref = 1
+        self.evictable_size = 0
+        self.protected_size = 0
+        self.clock = 0
 
-    # -- helpers -------------------------------------------------------------------------
-    def _aligned(self, n: int) -> int:
-        return n - n % self.page_size
+    def tick(self):
+        self.clock += 1
+        return self.clock
 
-    def _child_key(self, key) -> tuple:
-        return tuple(key[: self.page_size])
-
-    def _match_len(self, a, b) -> int:
-        """Tokens ``a`` and ``b`` share from the start, rounded down to whole pages."""
-        n = 0
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            n += 1
-        return self._aligned(n)
-
-    def _split(self, node: TreeNode, n: int) -> TreeNode:
-        """Cut ``node`` after ``n`` tokens: a new parent holds the first ``n``, ``node`` keeps the rest.
-        The new node inherits the lock count and access time, so the sizes do not move."""
-        p = self.page_size
-        top = TreeNode(node.key[:n], node.value[: n // p], node.parent)
-        top.lock_ref, top.last_access = node.lock_ref, node.last_access
-        node.parent.children[self._child_key(node.key)] = top
-        node.key, node.value, node.parent = node.key[n:], node.value[n // p:], top
-        top.children[self._child_key(node.key)] = node
-        return top
-
-    # -- the three operations --------------------------------------------------------------
-    def match_prefix(self, key) -> tuple[list[int], TreeNode]:
-        """Pages of the longest cached prefix of ``key`` (whole pages) and the node it ends on."""
-        key = tuple(key[: self._aligned(len(key))])
-        node, pages, now = self.root, [], next(self._clock)
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            child.last_access = now
-            n = self._match_len(child.key, key)
-            if n == 0:
-                break
-            if n < len(child.key):
-                child = self._split(child, n)
-            pages += child.value
-            node, key = child, key[n:]
-        return pages, node
-
-    def insert(self, key, pages) -> int:
-        """Add ``key`` (whole pages of it), held in ``pages``. Returns the tokens already cached: the tree
-        keeps its own pages for those and adopts ``pages[cached // page_size:]`` for the rest."""
-        key = tuple(key[: self._aligned(len(key))])
-        p, node, done, now = self.page_size, self.root, 0, next(self._clock)
-        while done < len(key):
-            rest = key[done:]
-            child = node.children.get(self._child_key(rest))
-            if child is None:
-                leaf = TreeNode(rest, pages[done // p: len(key) // p], node)
-                leaf.last_access = now
-                node.children[self._child_key(rest)] = leaf
-                self.evictable_size += len(rest)
-                return done
-            child.last_access = now
-            n = self._match_len(child.key, rest)
-            if n < len(child.key):
-                child = self._split(child, n)
-            node, done = child, done + n
-        return done
-
-    def evict(self, num_tokens: int) -> list[int]:
-        """Free LRU unlocked leaves until ``num_tokens`` tokens are freed; returns their pages."""
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
-        freed: list[int] = []
-        while heap and len(freed) * self.page_size < num_tokens:
-            _, _, leaf = heapq.heappop(heap)
-            freed += leaf.value
-            parent = leaf.parent
-            del parent.children[self._child_key(leaf.key)]
-            self.evictable_size -= len(leaf.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
-        return freed
-
-    # -- lock references ---------------------------------------------------------------------
-    def inc_lock_ref(self, node: TreeNode) -> None:
+    def inc_lock_ref(self, node):
         while node is not self.root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
@@ -171,7 +111,7 @@ class RadixCache:
             node.lock_ref += 1
             node = node.parent
 
-    def dec_lock_ref(self, node: TreeNode) -> None:
+    def dec_lock_ref(self, node):
         while node is not self.root:
             if node.lock_ref == 1:
                 self.evictable_size += len(node.key)
@@ -179,34 +119,88 @@ class RadixCache:
             node.lock_ref -= 1
             node = node.parent
 
-    # -- reading the tree ----------------------------------------------------------------------
-    def nodes(self):
-        """Every node but the root, parents before children."""
-        return tree_nodes(self)
+    def split_node(self, node, n):
+        """Cut ``node`` after ``n`` symbols: a new node holds the first ``n``, ``node`` keeps the rest below it;
+        returns the new node."""
+        top = Node(node.key[:n], node.value[:n], node.parent)
+        top.lock_ref, top.last_access = node.lock_ref, node.last_access
+        node.parent.children[node.key[0]] = top
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], top
+        top.children[node.key[0]] = node
+        return top
 
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size
+    def match_prefix(self, key):
+        """Pages of the longest cached prefix of ``key`` and the node it ends on (split there if need be)."""
+        key, node, pages, now = tuple(key), self.root, [], self.tick()
+        while key and key[0] in node.children:
+            child = node.children[key[0]]
+            child.last_access = now
+            n = 0
+            while n < min(len(child.key), len(key)) and child.key[n] == key[n]:
+                n += 1
+            if n < len(child.key):
+                child = self.split_node(child, n)
+            pages += child.value
+            node, key = child, key[n:]
+        return pages, node
 
-    def next_victim(self) -> TreeNode | None:
-        """The leaf ``evict`` would free first (for pictures and lessons)."""
-        leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
-        return min(leaves, key=lambda n: (n.last_access, n.id), default=None)
+    def insert(self, key, pages):
+        """Add ``key``, held in ``pages``. Returns the symbols already cached: the tree keeps its own pages for those
+        and adopts ``pages[cached:]`` for the rest, as one new leaf."""
+        key, node, done, now = tuple(key), self.root, 0, self.tick()
+        while done < len(key):
+            child = node.children.get(key[done])
+            if child is None:
+                leaf = Node(key[done:], pages[done:len(key)], node)
+                leaf.last_access = now
+                node.children[key[done]] = leaf
+                self.evictable_size += len(leaf.key)
+                return done
+            child.last_access = now
+            n = 0
+            while n < min(len(child.key), len(key) - done) and child.key[n] == key[done + n]:
+                n += 1
+            if n < len(child.key):
+                child = self.split_node(child, n)
+            node, done = child, done + n
+        return done
 
-    def check_invariants(self) -> None:
-        seen, evictable, protected, p = set(), 0, 0, self.page_size
-        for node in self.nodes():
-            assert len(node.key) > 0 and len(node.key) % p == 0 and len(node.key) == p * len(node.value), node
-            assert node.parent.children.get(self._child_key(node.key)) is node, "child keyed by its first page"
-            assert node.lock_ref >= 0 and (node.lock_ref == 0 or node.parent.lock_ref > 0), "locks cover the path"
-            assert not seen & set(node.value), f"page held by two nodes: {seen & set(node.value)}"
-            seen |= set(node.value)
-            if node.lock_ref:
-                protected += len(node.key)
-            else:
-                evictable += len(node.key)
-        assert (evictable, protected) == (self.evictable_size, self.protected_size), \
-            f"sizes {(self.evictable_size, self.protected_size)} but the nodes hold {(evictable, protected)}"
+    def evict(self, num_tokens):
+        """Free unlocked leaves, least recently used first, until ``num_tokens`` symbols are freed; their pages."""
+        leaves, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and node.lock_ref == 0:
+                leaves.append((node.last_access, node.order, node))
+        heapq.heapify(leaves)
+        freed = []
+        while leaves and len(freed) < num_tokens:
+            _, _, leaf = heapq.heappop(leaves)
+            freed += leaf.value
+            parent = leaf.parent
+            del parent.children[leaf.key[0]]
+            self.evictable_size -= len(leaf.key)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(leaves, (parent.last_access, parent.order, parent))
+        return freed
+
+
+def check_tree(tree) -> None:
+    """Assert a tree's invariants, read through the assignment's interface (any tree, a learner's too)."""
+    seen, evictable, protected = set(), 0, 0
+    for node in tree_nodes(tree):
+        assert len(node.key) > 0 and len(node.key) == len(node.value), f"{node}: one page per symbol"
+        assert node.parent.children.get(node.key[0]) is node, "a child is keyed by its first symbol"
+        assert node.lock_ref >= 0 and (node.lock_ref == 0 or node.parent.lock_ref > 0), "locks cover the path"
+        assert not seen & set(node.value), f"page held by two nodes: {seen & set(node.value)}"
+        seen |= set(node.value)
+        if node.lock_ref:
+            protected += len(node.key)
+        else:
+            evictable += len(node.key)
+    assert (evictable, protected) == (tree.evictable_size, tree.protected_size), \
+        f"sizes {(tree.evictable_size, tree.protected_size)} but the nodes hold {(evictable, protected)}"
 
 
 class RadixKVManager:
@@ -219,7 +213,8 @@ class RadixKVManager:
 
     Tokens reach the tree at allocation for prefill steps (the prompt, or what a preempted request
     recomputes) and at ``free``: everything computed, the outputs included, stays cached (the paper's
-    multi-turn win). ``block_size`` is ``page_size``: ``get_computed_blocks`` returns pages.
+    multi-turn win). ``block_size`` is ``page_size``: ``get_computed_blocks`` returns pages. The tree sees
+    ``page_key``s (one symbol per whole page), so its sizes and ``evict`` count pages.
     """
 
     def __init__(self, capacity_tokens: int, page_size: int = 1, max_model_len: int | None = None, tree=None):
@@ -231,27 +226,31 @@ class RadixKVManager:
             raise ValueError(f"a cache of {capacity_tokens} tokens holds no page of {page_size} tokens")
         self.capacity_tokens = self.num_pages * page_size
         self.max_model_len = max_model_len
-        self.tree = tree if tree is not None else RadixCache(page_size)
+        self.tree = tree if tree is not None else RadixTree()
         self.free_pages = deque(range(self.num_pages))
         self.tables: dict[int, list[int]] = {}  # seq_id -> page of each page-sized run of positions
         self.owned: dict[int, set[int]] = {}  # seq_id -> pages it alone holds
-        self.locked: dict[int, TreeNode] = {}  # seq_id -> the deepest tree node it uses
+        self.locked: dict[int, Node] = {}  # seq_id -> the deepest tree node it uses
         self.published: dict[int, int] = {}  # seq_id -> tokens of it the tree holds
         self.prefix_queries = self.prefix_hits = self.evicted_tokens = 0
 
     @classmethod
-    def factory(cls, page_size: int | None = None, tree_factory=None):
-        """``LLM(kv_cache_manager=RadixKVManager.factory(page_size=1))``; ``None``: the engine's block_size."""
+    def factory(cls, page_size: int | None = None, tree_factory=RadixTree):
+        """``LLM(kv_cache_manager=RadixKVManager.factory(page_size=1))``; ``None``: the engine's block_size.
+        ``tree_factory()`` builds the tree (a learner's ``RadixTree`` class will do, at any page size)."""
         def build(spec):
-            p = page_size or spec.block_size
-            return cls(spec.capacity_tokens, p, spec.max_model_len, tree_factory(p) if tree_factory else None)
+            return cls(spec.capacity_tokens, page_size or spec.block_size, spec.max_model_len, tree_factory())
         return build
+
+    def key(self, token_ids) -> tuple:
+        """What the tree is asked for: ``page_key(token_ids, page_size)``."""
+        return page_key(token_ids, self.page_size)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
     def usage(self) -> float:
         """Pages held by running sequences (cached pages nobody uses count as free, as in vLLM)."""
-        return 1.0 - (len(self.free_pages) + self.tree.evictable_size // self.page_size) / self.num_pages
+        return 1.0 - (len(self.free_pages) + self.tree.evictable_size) / self.num_pages
 
     def max_tokens_needed(self, seq) -> int:
         return seq.max_total_tokens(self.max_model_len or len(seq) + (seq.params.max_tokens or 0))
@@ -261,7 +260,7 @@ class RadixKVManager:
         """Pages of the longest cached prefix, at most ``len(seq) - 1`` tokens (one must run)."""
         if seq.seq_id in self.tables:
             return []
-        pages, _ = self.tree.match_prefix(seq.token_ids[: len(seq) - 1])
+        pages, _ = self.tree.match_prefix(self.key(seq.token_ids[: len(seq) - 1]))
         return pages
 
     def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
@@ -274,7 +273,7 @@ class RadixKVManager:
         fresh = sid not in self.tables
         if fresh:
             k = len(computed_blocks)
-            pages, node = self.tree.match_prefix(seq.token_ids[: k * p]) if k else ([], self.tree.root)
+            pages, node = self.tree.match_prefix(self.key(seq.token_ids[: k * p])) if k else ([], self.tree.root)
             if pages != list(computed_blocks):
                 return False  # evicted since the lookup: the scheduler will look again
             self.tree.inc_lock_ref(node)  # before evicting anything, so our own hit stays
@@ -283,12 +282,12 @@ class RadixKVManager:
             table = self.tables[sid]
         start = seq.num_computed_tokens + len(computed_blocks) * p
         need = max(-(-(start + num_new_tokens) // p) - len(table), 0)
-        if need > len(self.free_pages) + self.tree.evictable_size // p:
+        if need > len(self.free_pages) + self.tree.evictable_size:
             if fresh:
                 self.tree.dec_lock_ref(node)
             return False
         if need > len(self.free_pages):
-            freed = self.tree.evict((need - len(self.free_pages)) * p)
+            freed = self.tree.evict(need - len(self.free_pages))
             self.evicted_tokens += len(freed) * p
             self.free_pages.extend(freed)
         new = [self.free_pages.popleft() for _ in range(need)]
@@ -307,9 +306,9 @@ class RadixKVManager:
         end = upto - upto % p
         if end <= self.published[sid]:
             return
-        key, pages = seq.token_ids[:end], self.tables[sid][: end // p]
+        key, pages = self.key(seq.token_ids[:end]), self.tables[sid][: end // p]
         cached = self.tree.insert(key, pages)
-        self.owned[sid].difference_update(pages[cached // p:])  # adopted by the tree
+        self.owned[sid].difference_update(pages[cached:])  # adopted by the tree
         _, node = self.tree.match_prefix(key)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(self.locked[sid])
@@ -340,22 +339,24 @@ class RadixKVManager:
         return torch.tensor(rows, dtype=torch.long)
 
     def stats(self) -> dict:
-        t = self.tree
+        t, p = self.tree, self.page_size
         return {
             "kv_num_pages": self.num_pages, "kv_page_size": self.page_size, "kv_pages_free": len(self.free_pages),
             "kv_cache_usage": self.usage, "radix_nodes": sum(1 for _ in tree_nodes(t)),
-            "radix_cached_tokens": t.evictable_size + t.protected_size, "radix_evictable_tokens": t.evictable_size,
-            "radix_protected_tokens": t.protected_size,
+            "radix_cached_tokens": (t.evictable_size + t.protected_size) * p,
+            "radix_evictable_tokens": t.evictable_size * p, "radix_protected_tokens": t.protected_size * p,
             "prefix_cache_queries": self.prefix_queries, "prefix_cache_hits": self.prefix_hits,
             "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
             "prefix_cache_evicted_tokens": self.evicted_tokens,
         }
 
     def check_invariants(self) -> None:
-        """Every page is in exactly one place: free, one tree node, or owned by one sequence (and the tree's own
-        invariants, if it has a ``check_invariants``)."""
-        if hasattr(self.tree, "check_invariants"):
-            self.tree.check_invariants()
+        """Every page is in exactly one place: free, one tree node, or owned by one sequence; the tree's own
+        invariants hold (``check_tree``) and every key in it is whole pages of tokens."""
+        check_tree(self.tree)
+        if self.page_size > 1:
+            for n in tree_nodes(self.tree):
+                assert all(len(sym) == self.page_size for sym in n.key), f"{n}: a symbol that is not a whole page"
         places = list(self.free_pages) + [pg for n in tree_nodes(self.tree) for pg in n.value]
         places += [pg for own in self.owned.values() for pg in own]
         assert sorted(places) == list(range(self.num_pages)), "a page is lost or in two places"

@@ -1,9 +1,9 @@
 """Swap space for ``preemption_mode="swap"`` (vLLM v0): CPU blocks that hold preempted sequences' KV.
 
 A request's sequences swap out and in together, so blocks shared by siblings move once and stay shared
-(v0 swapped whole sequence groups). The ``BlockManager`` owns the GPU side (its pool and block tables);
-this class owns the CPU side: which CPU blocks are free, how many swapped tables point at each, and
-each swapped sequence's CPU table.
+(v0 swapped whole sequence groups). The ``BlockManager`` owns the GPU side (its free queue, block tables
+and reference counts); this class owns the CPU side: which CPU blocks are free, how many swapped tables
+point at each, and each swapped sequence's CPU table.
 
 Invariant: a CPU block is in ``cpu_free`` exactly when no swapped table points at it.
 """
@@ -41,21 +41,17 @@ class SwapSpace:
         """The distinct CPU blocks the swapped sequences ``seq_ids`` hold."""
         return distinct(self.swapped.get(s, []) for s in seq_ids)
 
-    def swap_in(self, seq_ids, pool, copy_to_gpu) -> dict[int, list[int]]:
-        """Copy the sequences' CPU blocks into fresh GPU blocks of ``pool``; returns their new GPU tables
-        (a block siblings shared is shared again) and releases the CPU blocks."""
+    def swap_in(self, seq_ids, allocator, refcounts: dict[int, int], copy_to_gpu) -> dict[int, list[int]]:
+        """Copy the sequences' CPU blocks into fresh GPU blocks of ``allocator``; returns their new GPU tables
+        (a block siblings shared is shared again: ``refcounts`` counts its tables) and releases the CPU blocks."""
         cpu = self.blocks_of(seq_ids)
-        to_gpu = {c: pool.allocate() for c in cpu}  # one reference each
+        to_gpu = {c: allocator.allocate() for c in cpu}
         copy_to_gpu(cpu, [to_gpu[c] for c in cpu])
-        first_use = set(cpu)
         tables = {}
         for s in seq_ids:
             table = []
             for c in self.swapped.pop(s):
-                if c in first_use:
-                    first_use.discard(c)
-                else:
-                    pool.touch(to_gpu[c])  # a sibling already holds it: share again
+                refcounts[to_gpu[c]] = refcounts.get(to_gpu[c], 0) + 1  # a sibling may already hold it
                 table.append(to_gpu[c])
                 self.release(c)
             tables[s] = table

@@ -1,28 +1,14 @@
 """Small helpers for stage 5's lesson and exercise (plain PyTorch, no kernels).
 
-* :func:`online_softmax_update` - one step of the online softmax, the recurrence at the heart of
-  every FlashAttention-style kernel, written with torch so it can be read and tested on its own.
 * :func:`random_paged_batch` - a random decode batch whose pages are scattered through the cache.
+
+The online softmax of stage 5's part 1 (``online_softmax_update``) is the PyTorch spec of the Triton kernel's loop
+body: it lives with the other specs in ``tinypaged.kernels.reference``.
 """
 
 import torch
 
 from tinypaged.kv.block_manager import blocks_needed
-
-
-def online_softmax_update(m, l, acc, scores, values):
-    """Fold one chunk of keys into a running softmax-weighted sum, without revisiting old chunks.
-
-    For G query rows: ``m`` [G] is the largest score seen so far (-inf before any), ``l`` [G] the
-    sum of ``exp(score - m)`` so far, ``acc`` [G, D] the sum of ``exp(score - m) * value``.
-    ``scores`` [G, N] are this chunk's (already scaled) scores, ``values`` [N, D] its values.
-    Returns the new ``(m, l, acc)``. Invariant: after the last chunk, ``acc / l[:, None]``
-    equals ``softmax(all scores) @ all values``. Inputs are not modified.
-    """
-    m_new = torch.maximum(m, scores.max(dim=1).values)
-    alpha = torch.exp(m - m_new)  # how much the old terms shrink under the new max (0 at the start)
-    p = torch.exp(scores - m_new[:, None])
-    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ values
 
 
 def random_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,

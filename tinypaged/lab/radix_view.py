@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tinypaged.kv.block_manager import BlockManager
-from tinypaged.kv.radix_cache import RadixKVManager, tree_nodes
+from tinypaged.kv.radix_cache import RadixKVManager, node_tokens, tree_nodes
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence
 
@@ -41,16 +41,11 @@ class Snapshot:
     hits: dict[str, int] = field(default_factory=dict)  # manager -> tokens the event's request found cached
 
 
-def _created(node) -> int:
-    """Creation order: the package's ``TreeNode.id`` or the assignment's ``Node.order``."""
-    return getattr(node, "id", getattr(node, "order", 0))
-
-
 def next_victim(tree):
     """The leaf ``evict`` frees first: unlocked, the smallest ``last_access``, then the oldest. Read through the
     assignment's interface only (``root``, ``children``, ``lock_ref``, ``last_access``), so a learner's tree works."""
     leaves = [n for n in tree_nodes(tree) if not n.children and n.lock_ref == 0]
-    return min(leaves, key=lambda n: (n.last_access, _created(n)), default=None)
+    return min(leaves, key=lambda n: (n.last_access, n.order), default=None)
 
 
 def _tree_view(tree) -> list[NodeView]:
@@ -59,15 +54,15 @@ def _tree_view(tree) -> list[NodeView]:
     while stack:
         node, parent, depth = stack.pop()
         number[id(node)] = len(out)  # nodes are numbered in drawing order: any tree's nodes will do
-        out.append(NodeView(number[id(node)], parent, depth, tuple(node.key), node.lock_ref, node is victim))
+        out.append(NodeView(number[id(node)], parent, depth, node_tokens(node), node.lock_ref, node is victim))
         stack += [(c, number[id(node)], depth + 1)
                   for c in sorted(node.children.values(), key=lambda n: n.key, reverse=True)]
     return out
 
 
 def _block_view(bm: BlockManager) -> list[str]:
-    pool = bm.pool
-    return ["used" if pool.ref_count(b) else ("cached" if b in pool.hash_of else "free") for b in range(pool.num_blocks)]
+    cached = bm.allocator.hash_of  # the prefix cache: block -> the prefix hash it holds
+    return ["used" if bm.ref_count(b) else ("cached" if b in cached else "free") for b in range(bm.num_blocks)]
 
 
 def replay(events, capacity_tokens: int = 64, block_size: int = 4) -> list[Snapshot]:
@@ -139,10 +134,10 @@ class ServedRun:
     tree: object  # the tree after the run
 
 
-def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str = "smollm2-135m",
+def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str = "smollm2-135m", page_size: int = 1,
                     **engine_kwargs) -> ServedRun:
-    """Serve ``prompts`` (greedy) with ``RadixKVManager`` over ``make_tree()`` and ``CacheAwareOrder(order)``
-    (``order``: a function ``order(seqs, cached_tokens)`` or ``"lpm"``, ``"fcfs"``, ...)."""
+    """Serve ``prompts`` (greedy) with ``RadixKVManager(page_size)`` over ``make_tree()`` and
+    ``CacheAwareOrder(order)`` (``order``: a function ``order(seqs, cached_tokens)`` or ``"lpm"``, ``"fcfs"``, ...)."""
     from collections import Counter
 
     from tinypaged import LLM
@@ -150,7 +145,7 @@ def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str =
 
     calls, trees = Counter(), []
 
-    def tree_factory(page_size):
+    def tree_factory():
         tree = make_tree()
         for name in TREE_CALLS:  # count the calls into the tree's own methods
             def counted(*a, _f=getattr(tree, name), _name=name, **k):
@@ -160,7 +155,7 @@ def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str =
         trees.append(tree)
         return tree
 
-    llm = LLM(model, kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=tree_factory),
+    llm = LLM(model, kv_cache_manager=RadixKVManager.factory(page_size=page_size, tree_factory=tree_factory),
               scheduling_policy=CacheAwareOrder(order), **engine_kwargs)
     outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     admitted = sorted(range(len(outs)), key=lambda i: (outs[i].metrics.first_scheduled_time, i))

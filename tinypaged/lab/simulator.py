@@ -50,23 +50,17 @@ class ModelFreeEngine:
     def __init__(self, config):
         from tinypaged.interfaces import KVCacheSpec
         from tinypaged.kv.managers import build_kv_manager
+        from tinypaged.kv.sizing import size_kv_cache
         from tinypaged.sampling.sampler import check_stop
         from tinypaged.sched.scheduler import Scheduler, make_policy
 
         config.finalize(config.max_model_len or 2048)
-        if config.kv_cache_tokens is not None:
-            tokens = config.kv_cache_tokens
-        elif config.num_gpu_blocks_override is not None:
-            tokens = config.num_gpu_blocks_override * config.block_size
-        else:
-            raise ValueError("the simulator needs the KV size in tokens: pass kv_cache_tokens= "
-                             "(or num_gpu_blocks_override=)")
+        size = size_kv_cache(config)  # the engine's sizing; no model here, so the size must be in tokens
         if config.preemption_mode != "recompute":
             raise ValueError("the simulator models recompute preemption only (vLLM v1); "
                              "use preemption_mode='recompute'")
         self.config = config
-        block_size = config.block_size if config.kv_cache == "paged" else 1
-        spec = KVCacheSpec(tokens // block_size, block_size, config.max_model_len, config.enable_prefix_caching,
+        spec = KVCacheSpec(size.num_blocks, size.block_size, config.max_model_len, config.enable_prefix_caching,
                            config.reservation_policy)
         self.kv = build_kv_manager(config, spec)
         self.now = 0.0
@@ -264,7 +258,8 @@ def _prompt(r: TraceRequest, distinct: bool) -> list[int]:
 def simulate(trace: list[TraceRequest], cost_model, system: str = "vllm", rate: float | None = None,
              max_steps: int | None = None, **common) -> ServingRun:
     """Serve ``trace`` with one system on a virtual clock; ``common`` are engine knobs shared by all
-    systems (``kv_cache_tokens`` is required; ``max_num_seqs``, ``max_model_len``, ``block_size``, ...).
+    systems (``kv_cache_tokens`` or ``num_gpu_blocks_override`` is required, as ``tinypaged.kv.sizing`` reads
+    them; ``max_num_seqs``, ``max_model_len``, ``block_size``, ...).
     """
     from tinypaged.config import EngineConfig
 

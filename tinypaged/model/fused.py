@@ -6,9 +6,10 @@ Two changes against the readable reference of lessons 1-3, each what vLLM does i
   makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): four
   calls per layer instead of seven (a small gain on a CPU, where a decode step's few rows make each
   GEMM cost what reading its weights costs);
-* **fused attention**: ``attention_backend="torch"`` gathers each sequence's keys once and hands them to
+* **fused attention**: an unset ``attention_backend`` becomes ``"sdpa"``
+  (``tinypaged.attention.sdpa.SDPABackend``), which gathers each sequence's keys once and hands them to
   ``torch.nn.functional.scaled_dot_product_attention`` (one kernel, no [B, H, C] score tensor kept
-  around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks.
+  around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks (``"torch"``, the reference).
 
 oneDNN-prepacked weights were tried and left out: the engine's batch shape changes from step to step,
 and each new shape builds a new oneDNN primitive, which cost more than it saved (docs/RESULTS.md).

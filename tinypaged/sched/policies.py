@@ -7,7 +7,8 @@
   is a new batch. Running requests go first (a decode costs one token of the
   ``max_num_batched_tokens`` budget, a prefill chunk its length); waiting requests are admitted in
   arrival order with what is left. When the KV cache runs out, the most recently admitted running
-  request is preempted. A step that preempted admits nothing new.
+  request is preempted. A step that preempted admits nothing new. What only the engine knows (forked
+  samples' seats, chunked prefill switched off) its ``kv`` enforces, so the function is the lesson's.
 * ``StaticBatching`` (the pre-Orca baseline, course-only): form a batch, run it until every member
   finishes, then form the next. A request joins only when the memory it could ever need is
   guaranteed, so nothing is preempted.
@@ -28,7 +29,8 @@ from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 class PlanRequest:
     """A request as the step sees it: its id, how many tokens it still has to compute (the rest of
     its prompt while prefilling, 1 while decoding), and how many sequences it runs as (n > 1
-    samples forked after the prompt count n against ``max_num_seqs`` from the start)."""
+    samples forked after the prompt count n against ``max_num_seqs`` from the start; the engine's
+    ``kv`` refuses a request whose samples do not fit, see ``StepKV.admissible``)."""
 
     request_id: object
     num_new_tokens: int
@@ -44,26 +46,22 @@ class StepPlan:
     preempted: list[PlanRequest] = field(default_factory=list)
 
 
-def pick_victim(running: list):
-    """vLLM v1's preemption victim: the most recently admitted running request (``running`` is kept
-    in admission order). Under first-come-first-served, the latest arrival yields first, so earlier
-    requests keep their place (the paper's fairness rule, section 4.5)."""
-    return running[-1]
-
-
-def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv, chunked_prefill: bool = True) -> StepPlan:
+def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
     """One continuous-batching step (vLLM v1's rules). The engine runs exactly this function.
 
     ``running`` is in admission order, ``waiting`` in queue order; neither is modified.
     ``kv.allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` and says whether it
     could; ``kv.free(req)`` preempts ``req`` (releases everything it holds).
 
-    1. Running requests first, in order: each takes ``min(num_new_tokens, budget)`` tokens (without
-       chunked prefill, a request whose tokens do not all fit waits for a later step). When the KV
-       cache cannot hold them, preempt ``pick_victim`` of the running requests and retry; if the
-       victim is the request itself, move on.
+    1. Running requests first, in order: each takes ``min(num_new_tokens, budget)`` tokens. When
+       the KV cache cannot hold them, preempt the most recently admitted running request (it has
+       done the least work; under first-come-first-served the latest arrival yields first, the
+       paper's fairness rule, section 4.5) and retry; if the victim is the request itself, move on.
     2. Only if nothing was preempted: admit waiting requests in queue order while there is budget
        and room under ``max_num_seqs``; stop at the first that does not fit.
+
+    The engine's ``kv`` (``StepKV``) also refuses what its configuration forbids: a waiting request
+    whose forked samples would exceed ``max_num_seqs``, and, without chunked prefill, part of a prompt.
     """
     plan = StepPlan()
     running = list(running)
@@ -71,11 +69,8 @@ def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv, chunked_
     while i < len(running) and budget > 0:
         req = running[i]
         n = min(req.num_new_tokens, budget)
-        if n < req.num_new_tokens and not chunked_prefill:
-            i += 1
-            continue
         while not kv.allocate(req, n):
-            victim = pick_victim(running)
+            victim = running[-1]  # the most recently admitted
             running.remove(victim)
             kv.free(victim)
             plan.preempted.append(victim)
@@ -87,17 +82,13 @@ def schedule_step(running, waiting, budget: int, max_num_seqs: int, kv, chunked_
             i += 1
     if plan.preempted:
         return plan
-    num_seqs = sum(r.num_seqs for r in running)
     for req in waiting:
-        if budget <= 0 or num_seqs + req.num_seqs > max_num_seqs:
+        if budget <= 0 or len(running) >= max_num_seqs:
             break
         n = min(req.num_new_tokens, budget)
-        if n < req.num_new_tokens and not chunked_prefill:
-            break
         if not kv.allocate(req, n):
             break
         running.append(req)
-        num_seqs += req.num_seqs
         plan.scheduled.append((req, n))
         budget -= n
     return plan
@@ -158,13 +149,16 @@ class StaticBatching:
         self.batch_size = 0
 
     def _form_batch(self, sched) -> None:
-        """Admit up to ``max_num_seqs`` arrived requests, each only if the memory it could ever need
-        is guaranteed next to the others': a static batch never preempts."""
+        """Admit arrived requests in arrival order while their sequences (forks to come included) fit
+        ``max_num_seqs``, each only if the memory it could ever need is guaranteed next to the others':
+        a static batch never preempts. ``schedule_step``'s admission rules (first come, first served;
+        stop at the first that does not fit) with a lifetime reservation instead of a token budget: a
+        static batch prefills its members over as many steps as their prompts need."""
         kv, cfg = sched.kv, sched.config
         free = round((1.0 - kv.usage) * kv.capacity_tokens)
-        while sched.waiting and sched.num_running_seqs() < cfg.max_num_seqs:
+        while sched.waiting:
             seq = sched.waiting[0]
-            if not sched.arrived(seq):
+            if not sched.arrived(seq) or sched.num_running_seqs() + 1 + seq.pending_forks > cfg.max_num_seqs:
                 break
             need = blocks_needed(kv.max_tokens_needed(seq), kv.block_size) * kv.block_size * (1 + seq.pending_forks)
             if need > free or not kv.allocate_slots(seq, 0):  # a contiguous manager reserves here

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from tinypaged.interfaces import InvariantError
 from tinypaged.sched.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
-                                pick_victim, schedule_step)
+                                schedule_step)
 from tinypaged.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -73,7 +73,9 @@ class StepKV:
 
     * ``allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` now and says whether it
       could: a waiting sequence with its prefix-cache hit; a swapped group is swapped back in (all
-      or nothing, every sibling with all its tokens) and runs again.
+      or nothing, every sibling with all its tokens) and runs again. It refuses a waiting request
+      what the configuration forbids (``admissible``): more sequences than ``max_num_seqs`` (its
+      samples to fork count from the start), or, without chunked prefill, part of its prompt.
     * ``free(req)`` preempts a running ``req`` now (recompute; or swap, taking its running siblings
       along: a sibling swapped out that way is left out of this step even if the step allocates it).
     * ``run(step_fn)`` calls the step; ``output(plan)`` admits the scheduled waiting sequences and
@@ -91,15 +93,14 @@ class StepKV:
         self.preempted: list[Sequence] = []
         self.victims: list[list[Sequence]] = []  # preempted groups, to requeue when the step is over
         self.swept: set[int] = set()  # seq ids swapped out together with a preempted sibling
+        self.seats: int | None = None  # sequences running or admitted this step (forks to come included)
 
     def run(self, step_fn) -> SchedulerOutput:
         """One step: the running sequences, the waiting side (read lazily), the budget, and this as ``kv``."""
         cfg, sched = self.sched.config, self.sched
         running = [QueuedRequest.of((s,), s.num_uncomputed_tokens) for s in sched.running]
-        extra = {} if cfg.enable_chunked_prefill else {"chunked_prefill": False}
         try:
-            plan = step_fn(running, _LazyList(self._queued()), cfg.max_num_batched_tokens, cfg.max_num_seqs, self,
-                           **extra)
+            plan = step_fn(running, _LazyList(self._queued()), cfg.max_num_batched_tokens, cfg.max_num_seqs, self)
             return self.output(plan)
         finally:
             self.requeue()
@@ -130,6 +131,9 @@ class StepKV:
         if n < 1:
             raise InvariantError(f"kv.allocate was asked for {n} tokens of request {req.request_id}; "
                                  f"a scheduled request gets at least 1")
+        admitting = req.waiting and req not in self.allocated
+        if admitting and not self.admissible(req, n):
+            return False
         if self._swept(req):
             ok = True  # nothing to allocate: it is on the CPU now, and output() leaves it out
         elif req.waiting and req.seqs[0].status is SequenceStatus.SWAPPED:
@@ -138,7 +142,21 @@ class StepKV:
             ok = self.sched.allocate(req.seqs[0], n, () if req in self.allocated else req.computed)
         if ok:
             self.allocated[req] = self.allocated.get(req, 0) + n
+            if admitting:
+                self.seats += req.num_seqs
         return ok
+
+    def admissible(self, req: QueuedRequest, n: int) -> bool:
+        """Whether the configuration lets waiting ``req`` start with ``n`` tokens: its sequences (and
+        forks to come) fit ``max_num_seqs`` beside those running or admitted this step, and without
+        chunked prefill ``n`` is its whole prompt (vLLM v1 then leaves a prompt that does not fit the
+        budget waiting)."""
+        cfg = self.sched.config
+        if not cfg.enable_chunked_prefill and n < req.num_new_tokens:
+            return False
+        if self.seats is None:
+            self.seats = self.sched.num_running_seqs()
+        return self.seats + req.num_seqs <= cfg.max_num_seqs
 
     def _swap_in(self, req: QueuedRequest, n: int) -> bool:
         group = list(req.seqs)
@@ -161,6 +179,8 @@ class StepKV:
         if seq.status is not SequenceStatus.RUNNING:
             return  # preempted earlier in this step (with a sibling): nothing left to free
         group = self.sched.preempt(seq, requeue=False)
+        if self.seats is not None:
+            self.seats -= sum(1 + s.pending_forks for s in group)
         self.victims.append(group)
         self.preempted += group
         self.swept.update(s.seq_id for s in group if s is not seq)

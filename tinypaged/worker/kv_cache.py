@@ -3,7 +3,8 @@
 Both stages store keys and values per layer as a flat run of token *slots*:
 ``[num_layers, num_slots, num_kv_heads, head_dim]``. Stage 1 carves that run into contiguous
 regions; stage 2 views it as ``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer (the
-layout the Triton kernel reads) and addresses slots through block tables.
+layout the Triton kernel reads) and addresses slots through block tables. How many slots the sizing
+knobs give is decided in ``tinypaged.kv.sizing`` (the engine's and the simulator's one sizing).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 
 from tinypaged.attention.backends import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.kv.block_manager import blocks_needed
-from tinypaged.config import CPU_DEFAULT_KV_BYTES
 from tinypaged.interfaces import InvariantError, KVCacheSpec
+from tinypaged.kv.sizing import KVLayout, max_concurrency, size_kv_cache, sizing_knob
 from tinypaged.worker.kv_cache import KVCacheTensors, kv_bytes_per_token
 from tinypaged.model.llama import head_dim_of
 
@@ -137,29 +137,14 @@ class ModelRunner:
         return (logits, sampling) if rows else (None, [])
 
     # -- sizing the KV cache -----------------------------------------------------------------
-    def kv_capacity_tokens(self, c, mem_at_start) -> int:
-        if c.kv_cache_tokens is not None:
-            return c.kv_cache_tokens
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override * c.block_size
-        if c.kv_cache_memory_bytes is not None:
-            return c.kv_cache_memory_bytes // self.bytes_per_token
-        if self.device.type == "cuda":
-            return self.profile_free_gpu_bytes(c, mem_at_start) // self.bytes_per_token
-        return CPU_DEFAULT_KV_BYTES // self.bytes_per_token
-
-    def sizing_knob(self, c) -> tuple[str, str]:
-        """(the knob that sized the KV cache as ``name=value``, its name), for error messages."""
-        for knob in ("kv_cache_tokens", "num_gpu_blocks_override", "kv_cache_memory_bytes"):
-            if getattr(c, knob) is not None:
-                return f"{knob}={getattr(c, knob)}", knob
-        if self.device.type == "cuda":
-            return f"gpu_memory_utilization={c.gpu_memory_utilization}", "gpu_memory_utilization"
-        return f"the CPU default of {CPU_DEFAULT_KV_BYTES} bytes", "kv_cache_memory_bytes"
+    @property
+    def kv_layout(self) -> KVLayout:
+        """What one token's keys and values take in this model (``tinypaged.kv.sizing``)."""
+        return KVLayout(*self.kv_shape, torch.empty((), dtype=self.dtype).element_size())
 
     def check_memory(self, c, kv_bytes: int, swap_bytes: int) -> None:
         """Refuse, before allocating, a KV cache (or swap space) larger than the memory there is."""
-        knob, name = self.sizing_knob(c)
+        knob, name = sizing_knob(c, self.device.type == "cuda")
         host = available_host_bytes()
         device_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
         if device_free is not None and kv_bytes > device_free:
@@ -196,15 +181,10 @@ class ModelRunner:
 
     def allocate_kv_cache(self, c, mem_at_start=None) -> tuple[KVCacheTensors, KVCacheSpec]:
         """Size the cache (vLLM's knobs), allocate its tensors, and describe it for a KV manager."""
-        tokens = self.kv_capacity_tokens(c, mem_at_start)
+        size = size_kv_cache(c, self.kv_layout, self.device.type == "cuda",
+                             lambda: self.profile_free_gpu_bytes(c, mem_at_start))
+        num_blocks, block_size = size.num_blocks, size.block_size
         paged = c.kv_cache == "paged"
-        block_size = c.block_size if paged else 1
-        num_blocks = tokens // block_size
-        if num_blocks < 1:
-            knob, name = self.sizing_knob(c)
-            raise ValueError(f"{knob} gives a KV cache of {tokens} tokens, less than one block of block_size="
-                             f"{c.block_size} tokens ({self.bytes_per_token * c.block_size} bytes): raise {name} "
-                             f"or lower block_size")
         cpu_blocks = 0
         if c.preemption_mode == "swap":
             cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
@@ -218,11 +198,11 @@ class ModelRunner:
             logger.info("KV cache (paged): %d blocks of %d tokens, %d bytes per block = %d tokens; maximum "
                         "concurrency for %d-token requests: %.2fx", num_blocks, c.block_size,
                         self.bytes_per_token * c.block_size, num_blocks * c.block_size, c.max_model_len,
-                        num_blocks * c.block_size / c.max_model_len)
+                        max_concurrency(num_blocks, c.block_size, c.max_model_len))
         else:
             logger.info("KV cache (contiguous, policy %s): %d tokens, %d bytes per token; maximum concurrency "
-                        "for %d-token requests: %.2fx", c.reservation_policy, tokens, self.bytes_per_token,
-                        c.max_model_len, tokens / c.max_model_len)
+                        "for %d-token requests: %.2fx", c.reservation_policy, num_blocks, self.bytes_per_token,
+                        c.max_model_len, max_concurrency(num_blocks, 1, c.max_model_len))
         return tensors, spec
 
     # -- memory profiling (CUDA) ------------------------------------------------------------

@@ -408,8 +408,24 @@ def observe(check: Check, impl, hidden: int | None = None, detect: bool = True) 
     return {"check": check.name, "hidden": hidden, "outcomes": outcomes, "reuse": reuse}
 
 
+# The student edition (tinypaged.course.student_edition) ships this file instead of the graded references, whose
+# bodies it stubs: the visible cases' expected outcomes, computed by the full package when the edition was written.
+STORED_EXPECTED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expected_visible.json")
+
+
+def _stored_expected(name: str) -> str | None:
+    try:
+        with open(STORED_EXPECTED) as f:
+            stored = json.load(f)
+    except FileNotFoundError:
+        return None
+    return json.dumps(stored[name]) if name in stored else None
+
+
 @functools.lru_cache(maxsize=None)
 def _expected_json(name: str, hidden: int | None) -> str:
+    if hidden is None and (stored := _stored_expected(name)) is not None:
+        return stored
     c = get(name)
     if c.expected is not None:
         outcomes = c.expected(hidden)

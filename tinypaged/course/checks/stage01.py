@@ -1,7 +1,8 @@
 """Stage 1 checks: reservation policies, free holes, first-fit, and a contiguous allocator with accounting.
 
 References: the engine's own ``tinypaged.kv.contiguous`` (``reservation_tokens``, ``free_holes``, ``first_fit``
-and ``ContiguousAllocator``, the allocator inside the engine's ``ContiguousKVManager``).
+and ``ContiguousAllocator``, the allocator inside the engine's ``ContiguousKVManager``). The serving check runs
+the engine's ``ContiguousKVManager`` over the notebook's allocator and reservation (``ContiguousKVManager.factory``).
 """
 
 from __future__ import annotations
@@ -216,12 +217,40 @@ def cases_contiguous_allocator(hidden):
 
 # ---------------------------------------------------------------- serving SmolLM2
 
+def _preflight(impl):
+    """The plug-in is the package's seam (``ContiguousKVManager.factory``): the allocator inside the engine's
+    manager must be the notebook's ContiguousAllocator and its reservation the notebook's reservation_tokens
+    (not the package's, nor a wrapper around them)."""
+    from tinypaged.course.checks import get, reuse_of_reference
+    from tinypaged.interfaces import KVCacheSpec
+
+    factory = impl.get("kv_cache_manager") if isinstance(impl, dict) else None
+    if factory is None:
+        raise TypeError("plugins needs a kv_cache_manager built on your ContiguousAllocator")
+    kv = factory(KVCacheSpec(num_blocks=64, block_size=1, max_model_len=32, reservation_policy="pow2"))
+    allocator = getattr(kv, "allocator", None)
+    why = reuse_of_reference(get("contiguous_allocator"), type(allocator)) if allocator is not None \
+        else "the manager has no allocator"
+    if why:
+        raise TypeError(f"the manager's allocator must be your ContiguousAllocator: {why}")
+    reservation = getattr(kv, "reservation", None)
+    why = reuse_of_reference(get("reservation_tokens"), reservation) if callable(reservation) \
+        else f"its reservation is {reservation!r}"
+    if why:
+        raise TypeError(f"the manager must size regions with your reservation_tokens: {why}")
+    allocator.allocate("preflight", 5)  # an unfinished piece raises NotImplementedError here, before the model loads
+    allocator.slot("preflight", 0)
+    allocator.usage({})
+    allocator.free("preflight")
+
+
 def _regions_released(llm, outs) -> bool:
-    return llm.llm_engine.kv.usage == 0
+    return llm.llm_engine.kv.usage == 0 and llm.llm_engine.kv.allocator.usage({})["reserved"] == 0
 
 
 serving_check("01", "serve_contiguous", prompts=("The capital of France is", "def fibonacci(n):"), max_tokens=8,
               engine_kwargs=dict(kv_cache="contiguous", reservation_policy="pow2", kv_cache_tokens=256,
                                  max_model_len=64, max_num_seqs=2, dtype="float32", device="cpu"),
+              preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("every region was released at the end (usage 0)", _regions_released)],
               uses=("reservation_tokens", "free_holes", "first_fit", "ContiguousAllocator"))

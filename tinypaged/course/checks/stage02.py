@@ -1,10 +1,10 @@
 """Stage 2 checks: the block allocator, block tables, slot mapping, the block-table gather, and decode
 attention over a paged cache.
 
-References: the engine's own pieces, in the exercises' shape: ``tinypaged.kv.block_pool.BlockAllocator`` (the
-free queue inside the engine's ``BlockPool``), ``tinypaged.kv.block_manager.BlockTables`` (the tables inside
-``BlockManager``), ``tinypaged.attention.backends.slot_mapping`` and ``gather_kv``, and
-``tinypaged.kernels.paged_attention_reference``.
+References: the engine's own pieces, which are the lesson's code: ``tinypaged.kv.block_pool.BlockAllocator``
+(the free queue of the engine's ``BlockManager`` without prefix caching), ``tinypaged.kv.block_manager.BlockTables``
+(its tables), ``tinypaged.attention.backends.slot_mapping``, ``gather_kv`` and ``paged_attention``. The serving
+check runs the learner's allocator and tables inside the engine's ``BlockManager`` (``BlockManager.factory``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from tinypaged.attention import backends as attention
 from tinypaged.kv.block_manager import BlockManager, BlockTables
-from tinypaged.kv.block_pool import BlockAllocator, BlockPool, blocks_needed
+from tinypaged.kv.block_pool import BlockAllocator, PrefixCache, blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check
@@ -41,7 +41,7 @@ def _allocator_workout(seed: int, num_blocks: int, steps: int):
 
 
 @register("02", "BlockAllocator", reference=lambda: BlockAllocator, points=2, name="block_allocator",
-          forbidden=lambda: [BlockAllocator, BlockPool, BlockManager])
+          forbidden=lambda: [BlockAllocator, PrefixCache, BlockManager])
 def cases_block_allocator(hidden):
     def fresh(cls, t):
         a = cls(4)
@@ -135,7 +135,7 @@ def _tables_workout(seed: int, steps: int):
 
 
 @register("02", "BlockTables", reference=lambda: BlockTables, points=3, name="block_tables",
-          forbidden=lambda: [BlockTables, BlockManager, BlockPool])
+          forbidden=lambda: [BlockTables, BlockManager, PrefixCache])
 def cases_block_tables(hidden):
     def grow(cls, t):
         alloc = BlockAllocator(6)
@@ -217,10 +217,11 @@ def _kernels():
     return kernels
 
 
-@register("02", "paged_attention", reference=lambda: _kernels().paged_attention_reference, points=2,
+@register("02", "paged_attention", reference=lambda: attention.paged_attention, points=2,
           name="paged_attention_torch",
-          forbidden=lambda: [_kernels().paged_attention_reference, _kernels().gather_then_attend,
-                             _kernels().paged_attention_decode, attention.attend_gathered])
+          forbidden=lambda: [attention.paged_attention, _kernels().paged_attention_reference,
+                             _kernels().gather_then_attend, _kernels().paged_attention_decode,
+                             attention.attend_gathered])
 def cases_paged_attention(hidden):
     shapes = [(2, 2, 8, 4, [5]), (4, 2, 8, 4, [1, 8, 13]), (6, 2, 16, 8, [20, 3])] if hidden is None else \
         [(9, 3, 16, 4, [hidden % 17 + 1, 9, 30]), (4, 1, 8, 2, [7, hidden % 5 + 1])]
@@ -247,9 +248,32 @@ def _blocks_back(llm, outs) -> bool:
     return kv.usage == 0
 
 
+def _preflight(impl):
+    """The kv_cache_manager is the engine's ``BlockManager`` (its seam, ``BlockManager.factory``) built from the
+    notebook's BlockAllocator and BlockTables, not the package's."""
+    from tinypaged.course.checks import get, reuse_of_reference
+    from tinypaged.interfaces import KVCacheSpec
+
+    factory = impl.get("kv_cache_manager")
+    if factory is None:
+        raise TypeError("plugins needs a kv_cache_manager: BlockManager.factory(BlockAllocator=..., BlockTables=...)")
+    kv = factory(KVCacheSpec(num_blocks=4, block_size=4, max_model_len=16))
+    for check, part in (("block_allocator", getattr(kv, "allocator", None)),
+                        ("block_tables", getattr(kv, "block_tables", None))):
+        why = reuse_of_reference(get(check), type(part)) if part is not None else "the manager has none"
+        if why:
+            raise TypeError(f"the manager's {get(check).target} must be yours: {why}")
+    if not isinstance(getattr(kv.block_tables, "tables", None), dict):
+        raise TypeError("your BlockTables needs a `tables` dict (seq_id -> block ids): the engine's manager reads it")
+    kv.block_tables.allocate_slots("probe", 5)  # an unfinished piece raises NotImplementedError here
+    kv.block_tables.slots("probe", range(5))
+    kv.block_tables.free("probe")
+
+
 serving_check("02", "serve_paged", prompts=("Once upon a time", "Paged attention splits the cache into blocks of"),
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=2,
                                  dtype="float32", device="cpu"),
+              preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("every block was back in the free queue at the end", _blocks_back)],
               uses=("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"))

@@ -3,44 +3,21 @@ LRU free queue with a hash index, the longest cached prefix).
 
 The learner's data structures are plain: a block table is a list of block ids, ``refcounts`` a dict
 from block id to the number of tables holding it, ``allocator`` any object with ``allocate() -> int``
-and ``free(block_id)``. The references are the engine's own code (``tinypaged.kv.block_manager``'s
-``fork_table``, ``append_slot``, ``free_table`` and ``longest_cached_prefix``, ``tinypaged.kv.block_pool``'s
-``BlockPool``), which take a ``BlockPool``: ``BlockPool(allocator, refcounts=refcounts)`` is the learner's
-pair seen as one, so each adapter below is one line.
+and ``free(block_id)``. The references are the engine's own code, which is the lesson's:
+``tinypaged.kv.block_manager``'s ``fork``, ``append_slot``, ``free_table`` and ``longest_cached_prefix``,
+``tinypaged.kv.block_pool``'s ``hash_chain`` and ``PrefixCache``. The serving check runs the learner's parts
+inside the engine's ``BlockManager`` (``BlockManager.factory``).
 """
 
 from __future__ import annotations
 
 import random
 
-from tinypaged.kv import block_manager
-from tinypaged.kv.block_manager import BlockManager
-from tinypaged.kv.block_pool import BlockAllocator, BlockPool, hash_block_tokens, hash_chain
+from tinypaged.kv.block_manager import BlockManager, BlockTables, append_slot, fork, free_table, longest_cached_prefix
+from tinypaged.kv.block_pool import BlockAllocator, PrefixCache, hash_block_tokens, hash_chain
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import raises, rng
 from tinypaged.course.checks.serving import serving_check
-
-
-# ---------------------------------------------------------------- the engine's code, in the exercises' shape
-
-def fork(table, refcounts):
-    return block_manager.fork_table(table, BlockPool(None, refcounts=refcounts))
-
-
-def append_slot(table, num_tokens, block_size, refcounts, allocator):
-    return block_manager.append_slot(table, num_tokens, block_size, BlockPool(allocator, refcounts=refcounts))
-
-
-def free_table(table, refcounts, allocator):
-    return block_manager.free_table(table, BlockPool(allocator, refcounts=refcounts))
-
-
-def prefix_cache(num_blocks):
-    return BlockPool(num_blocks, enable_caching=True)
-
-
-def longest_cached_prefix(token_ids, block_size, cache):
-    return block_manager.longest_cached_prefix(token_ids, block_size, cache)
 
 
 def _allocator(num_blocks: int, held: int = 0) -> BlockAllocator:
@@ -54,7 +31,7 @@ def _allocator(num_blocks: int, held: int = 0) -> BlockAllocator:
 # ---------------------------------------------------------------- fork
 
 @register("03", "fork", reference=lambda: fork, points=1, name="fork_table",
-          forbidden=lambda: [fork, block_manager.fork_table, BlockPool, BlockManager])
+          forbidden=lambda: [fork, PrefixCache, BlockManager])
 def cases_fork(hidden):
     def basic(f, t):
         refs = {3: 1, 7: 1, 1: 2}
@@ -103,7 +80,7 @@ def _cow_workout(seed: int, steps: int, bs: int):
 
 
 @register("03", "append_slot", reference=lambda: append_slot, points=3,
-          forbidden=lambda: [append_slot, block_manager.append_slot, BlockPool, BlockManager])
+          forbidden=lambda: [append_slot, PrefixCache, BlockManager])
 def cases_append_slot(hidden):
     def private(fn, t):
         alloc, refs, table = _allocator(8), {}, []
@@ -140,14 +117,14 @@ def cases_append_slot(hidden):
 # ---------------------------------------------------------------- free_table
 
 @register("03", "free_table", reference=lambda: free_table, points=1,
-          forbidden=lambda: [free_table, block_manager.free_table, BlockPool, BlockManager])
+          forbidden=lambda: [free_table, PrefixCache, BlockManager])
 def cases_free_table(hidden):
     def basic(fn, t):
         alloc = _allocator(7, held=7)
         refs = {4: 1, 5: 2, 6: 1}
         table = [4, 5, 6]
         fn(table, refs, alloc)
-        t("free_table([4, 5, 6], {4: 1, 5: 2, 6: 1}): the allocator's free queue", list(alloc))
+        t("free_table([4, 5, 6], {4: 1, 5: 2, 6: 1}): the allocator's free queue", list(alloc.queue))
         t("the refcounts", refs)
         t("the freed table", table)
 
@@ -167,7 +144,7 @@ def cases_free_table(hidden):
             for k, tb in enumerate(tables):
                 fn(tb, refs, alloc)
                 t(f"after freeing table {k}: the free queue's last 8 and the refcounts",
-                  [list(alloc)[-8:], dict(sorted(refs.items()))])
+                  [list(alloc.queue)[-8:], dict(sorted(refs.items()))])
         return run
 
     if hidden is None:
@@ -187,6 +164,13 @@ def cases_hash_chain(hidden):
         t("the same second block after a different first block", fn([0, 0, 0, 0, 9, 10, 11, 12], 4))
         t("fewer tokens than a block", fn([1, 2, 3], 4))
 
+    def keys(fn, t):
+        toks = [5, 6, 7, 8, 9, 10, 11, 12]
+        t("extra_keys='tenant-1' (a cache salt) goes into every block's hash", fn(toks, 4, "tenant-1"))
+        t("known=[the first block's hash]: kept, the second block chained after it",
+          fn(toks, 4, None, hash_chain(toks[:4], 4)))
+        t("known=[a made-up hash]: kept as given, not recomputed", fn(toks, 4, None, [bytes(32)]))
+
     def randoms(seed, n):
         def run(fn, t):
             r = random.Random(seed)
@@ -199,6 +183,8 @@ def cases_hash_chain(hidden):
     if hidden is None:
         return [Case("basic", basic, "hash i = hash_block_tokens(hash i-1 (None for the first), block i's tokens); "
                                      "a partial block gets no hash"),
+                Case("extra keys and known hashes", keys, "pass extra_keys to every hash_block_tokens; start after "
+                                                          "the known hashes, chaining from the last of them"),
                 Case("random token lists", randoms(1, 20))]
     return [Case("random token lists", randoms(hidden, 30), weight=2)]
 
@@ -241,8 +227,8 @@ def _cache_workout(seed: int, steps: int, num_blocks: int):
     return run
 
 
-@register("03", "PrefixCache", reference=lambda: prefix_cache, points=4, name="prefix_cache",
-          forbidden=lambda: [prefix_cache, BlockPool, BlockAllocator, BlockManager])
+@register("03", "PrefixCache", reference=lambda: PrefixCache, points=4, name="prefix_cache",
+          forbidden=lambda: [PrefixCache, BlockAllocator, BlockTables, BlockManager])
 def cases_prefix_cache(hidden):
     h = [hash_block_tokens(None, [k]) for k in range(6)]
 
@@ -316,7 +302,7 @@ class _Index:
 
 
 @register("03", "longest_cached_prefix", reference=lambda: longest_cached_prefix, points=2,
-          forbidden=lambda: [longest_cached_prefix, block_manager.longest_cached_prefix, BlockPool, BlockManager])
+          forbidden=lambda: [longest_cached_prefix, PrefixCache, BlockManager])
 def cases_longest_cached_prefix(hidden):
     bs = 4
     cached = list(range(100, 112))  # a 12-token prompt computed into blocks 20, 21, 22
@@ -326,6 +312,12 @@ def cases_longest_cached_prefix(hidden):
         return Case(label, lambda f, t: t(f"longest_cached_prefix({tokens}, {bs}, cache of blocks "
                                           f"{sorted(idx.values())})", f(list(tokens), bs, _Index(idx))), hint)
 
+    def salted(f, t):
+        salted_index = _Index(zip(hash_chain(cached, bs, "tenant-1"), [30, 31, 32]))
+        t("the cached prompt + [7] under extra_keys='tenant-1' (blocks 30, 31, 32 hold it)",
+          f(cached + [7], bs, salted_index, "tenant-1"))
+        t("the same prompt without extra keys", f(cached + [7], bs, salted_index))
+
     if hidden is None:
         return [
             one(cached[:8] + [1, 2, 3, 4, 5], "two blocks match"),
@@ -334,6 +326,7 @@ def cases_longest_cached_prefix(hidden):
             one(cached[:3], "shorter than a block"),
             one([0] + cached[1:], "a different first block", hint="the chain: nothing after a miss can hit"),
             one(cached + [7], "a missing middle block", {k: v for k, v in index.items() if v != 21}),
+            Case("extra keys", salted, "hash the prompt with the same extra_keys"),
         ]
     r = rng(hidden, 33)
     cases = []
@@ -352,6 +345,33 @@ def _hits(llm, outs) -> bool:
     return outs[2].metrics.num_cached_tokens > 0
 
 
+_PARTS = {"PrefixCache": "prefix_cache", "fork": "fork_table", "append_slot": "append_slot",
+          "free_table": "free_table", "hash_chain": "hash_chain", "longest_cached_prefix": "longest_cached_prefix"}
+
+
+def _preflight(impl):
+    """The kv_cache_manager is the engine's ``BlockManager`` (its seam, ``BlockManager.factory``) built from the
+    notebook's PrefixCache, fork, append_slot, free_table, hash_chain and longest_cached_prefix."""
+    from tinypaged.course.checks import get, reuse_of_reference
+    from tinypaged.interfaces import KVCacheSpec
+
+    factory = impl.get("kv_cache_manager")
+    if factory is None:
+        raise TypeError("plugins needs a kv_cache_manager: BlockManager.factory(PrefixCache=..., fork=..., ...)")
+    kv = factory(KVCacheSpec(num_blocks=4, block_size=4, max_model_len=16, enable_prefix_caching=True))
+    parts = getattr(kv, "parts", None)
+    for part, check in _PARTS.items():
+        why = reuse_of_reference(get(check), getattr(parts, part, None)) if parts is not None else "no parts"
+        if why:
+            raise TypeError(f"the manager's {part} must be yours: {why}")
+    cache = kv.allocator  # an unfinished piece raises NotImplementedError here, before the model loads
+    table = kv.parts.fork([], {})
+    kv.parts.append_slot(table, 0, 4, {}, cache)
+    kv.parts.free_table(table, {table[0]: 1}, cache)
+    cache.register(cache.allocate(), b"probe")
+    kv.parts.longest_cached_prefix([1, 2, 3, 4, 5], 4, cache)
+
+
 _SYSTEM = "You are a helpful assistant."
 serving_check("03", "serve_prefix_cache",
               prompts=(f"{_SYSTEM} The capital of France is", f"{_SYSTEM} Name three fruits:",
@@ -359,5 +379,6 @@ serving_check("03", "serve_prefix_cache",
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64, max_num_seqs=1,
                                  enable_prefix_caching=True, dtype="float32", device="cpu"),
+              preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("the third request found its prefix in the cache", _hits)],
-              uses=("hash_chain", "PrefixCache", "longest_cached_prefix"))
+              uses=("append_slot", "free_table", "hash_chain", "PrefixCache", "longest_cached_prefix"))

@@ -21,31 +21,6 @@ def _R(rid, n):
     return PlanRequest(rid, n)
 
 
-@register("04", "pick_victim", reference=lambda: policies.pick_victim, points=1)
-def cases_pick_victim(hidden):
-    """The lesson's victim rule (part of ``schedule_step`` in the assignment; kept for the tests)."""
-
-    def run(fn, t):
-        a, b, c = _R("a", 1), _R("b", 1), _R("c", 5)
-        running = [a, b, c]
-        t("running [a, b, c] (admission order): the victim", fn(running).request_id)
-        t("the running list afterwards", [r.request_id for r in running])
-        t("running [c, a]: the victim", fn([c, a]).request_id)
-        t("running [b]: the victim", fn([b]).request_id)
-
-    def randoms(seed):
-        def run(fn, t):
-            r = random.Random(seed)
-            for k in range(20):
-                running = [_R(f"r{i}", r.randint(1, 9)) for i in r.sample(range(50), r.randint(1, 6))]
-                t(f"running {[x.request_id for x in running]}: the victim", fn(list(running)).request_id)
-        return run
-
-    if hidden is not None:
-        return [Case("random running lists", randoms(hidden))]
-    return [Case("the last admitted", run, "vLLM v1 preempts the most recently admitted request")]
-
-
 def _name(req, given) -> str:
     """A plan lists the request objects it was given; anything else is shown as what it is."""
     if any(req is g for g in given):
@@ -96,7 +71,7 @@ def _random_cases(seed: int, n: int, label: str) -> Case:
 
 
 @register("04", "schedule_step", reference=lambda: policies.schedule_step, points=5,
-          forbidden=lambda: [policies.schedule_step, policies.pick_victim])
+          forbidden=lambda: [policies.schedule_step])
 def cases_schedule_step(hidden):
     def big(held=None):
         return lambda: BlockCounter(1000, 16, held)  # never runs out

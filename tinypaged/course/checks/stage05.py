@@ -2,13 +2,16 @@
 table, the split-K merge, and the K/V write), run by Triton's interpreter without a GPU.
 
 The kernel checks call the learner's Python launchers (given in the notebook) on small batches and
-record the outputs; the references are ``tinypaged.kernels.paged_attention_reference``,
-:func:`merge_splits_reference` below and ``tinypaged.kernels.reshape_and_cache_reference``. A kernel
+record the outputs; the references are the package's PyTorch specs in ``tinypaged/kernels/reference.py``
+(``online_softmax_update``, ``paged_attention_reference``, ``merge_splits_reference``,
+``reshape_and_cache_reference``). A kernel
 body that still holds the stub ``raise NotImplementedError`` fails inside Triton (the interpreter
 wraps the error, the compiler rejects ``raise``); ``run_case`` maps both back to "not implemented yet".
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -23,10 +26,16 @@ def _k():
     return kernels
 
 
-def _kernel_lab():
-    from tinypaged.lab import kernel_lab
+def _package_kernels(*names) -> list:
+    """The package's own Triton kernels of these names (the ones the assignment's solution defines, line for
+    line): a learner who hands them in scores nothing. None on a machine without Triton, where they do not exist."""
+    from tinypaged import triton_mode
 
-    return kernel_lab
+    if not triton_mode.AVAILABLE:
+        return []
+    # by module path: the package binds the name tinypaged.kernels.reshape_and_cache to the launcher
+    modules = [importlib.import_module(f"tinypaged.kernels.{m}") for m in ("paged_attention", "reshape_and_cache")]
+    return [next(getattr(m, n) for m in modules if hasattr(m, n)) for n in names]
 
 
 def _device() -> str:
@@ -35,7 +44,7 @@ def _device() -> str:
 
 # ---------------------------------------------------------------- online softmax
 
-@register("05", "online_softmax_update", reference=lambda: _kernel_lab().online_softmax_update, points=1)
+@register("05", "online_softmax_update", reference=lambda: _k().online_softmax_update, points=1)
 def cases_online_softmax_update(hidden):
     def chunks(seed, G, N, D, cuts, boost):
         def run(f, t):
@@ -103,7 +112,9 @@ def _attention_case(i, h, kvh, dim, bs, lens, mult, seed, splits=None):
 
 
 @register("05", "paged_attention", reference=lambda: _k().paged_attention_reference, points=4,
-          forbidden=lambda: [_k().paged_attention_reference, _k().paged_attention_decode, _k().gather_then_attend])
+          forbidden=lambda: [_k().paged_attention_reference, _k().paged_attention_decode, _k().gather_then_attend,
+                             *_package_kernels("paged_attention_kernel", "merge_splits_kernel")],
+          uses=("paged_attention_kernel",))
 def cases_paged_attention(hidden):
     if hidden is None:
         return [_attention_case(i, *c, seed=i) for i, c in enumerate(_CASES)]
@@ -114,20 +125,6 @@ def cases_paged_attention(hidden):
 
 
 # ---------------------------------------------------------------- the split-K merge
-
-def merge_splits_reference(partial, maxes, sums):
-    """Merge split-K partial results: split i holds ``o_i = sum_j exp(s_j - m_i) v_j / l_i`` with its max
-    ``m_i`` and sum ``l_i`` (natural-log units); empty splits have ``l_i = 0`` and ``m_i = -inf``.
-
-    partial [S, H, P, D], maxes/sums [S, H, P] -> [S, H, D]:
-    ``out = sum_i w_i o_i / sum_i w_i`` with ``w_i = l_i exp(m_i - max_i m_i)``.
-    """
-    m_global = maxes.max(dim=-1, keepdim=True).values
-    m_global = torch.where(torch.isfinite(m_global), m_global, torch.zeros_like(m_global))
-    w = torch.where(sums > 0, sums * torch.exp(maxes - m_global), torch.zeros_like(sums))
-    total = w.sum(dim=-1, keepdim=True)
-    return (w[..., None] * partial).sum(dim=-2) / torch.where(total > 0, total, torch.ones_like(total))
-
 
 def _split_inputs(seed, S, H, P, D, empty=()):
     g = torch.Generator().manual_seed(seed)
@@ -140,9 +137,10 @@ def _split_inputs(seed, S, H, P, D, empty=()):
     return partial.to(dev), maxes.to(dev), sums.to(dev)
 
 
-@register("05", "merge_splits", reference=lambda: merge_splits_reference, points=3,
-          forbidden=lambda: [merge_splits_reference, _k().paged_attention_decode,
-                             __import__("tinypaged.kernels.paged_attention", fromlist=["x"])._split_reduce_kernel])
+@register("05", "merge_splits", reference=lambda: _k().merge_splits_reference, points=3,
+          forbidden=lambda: [_k().merge_splits_reference, _k().paged_attention_decode,
+                             *_package_kernels("merge_splits_kernel")],
+          uses=("merge_splits_kernel",))
 def cases_merge_splits(hidden):
     def one(label, seed, S, H, P, D, empty=(), hint=""):
         def run(impl, t):
@@ -166,7 +164,9 @@ def cases_merge_splits(hidden):
 # ---------------------------------------------------------------- writing K and V
 
 @register("05", "reshape_and_cache", reference=lambda: _k().reshape_and_cache_reference, points=2,
-          forbidden=lambda: [_k().reshape_and_cache_reference, _k().reshape_and_cache])
+          forbidden=lambda: [_k().reshape_and_cache_reference, _k().reshape_and_cache,
+                             *_package_kernels("reshape_and_cache_kernel")],
+          uses=("reshape_and_cache_kernel",))
 def cases_reshape_and_cache(hidden):
     def one(label, seed, tokens, blocks, bs, kvh, d, pad=()):
         def run(impl, t):

@@ -3,40 +3,28 @@
 * ``kv_blocks(kv_bytes, num_layers, num_kv_heads, head_dim, dtype_bytes, block_size)``: how many
   blocks a KV budget of ``kv_bytes`` holds (what ``gpu_memory_utilization`` or
   ``kv_cache_memory_bytes`` becomes inside the engine). Checked against the blocks the engine builds.
-* ``max_concurrency(num_blocks, block_size, max_model_len)``: how many requests of
-  ``max_model_len`` tokens can hold their KV at once (vLLM logs it at start-up). Checked by
-  submitting such requests to the engine and counting how many it admits in one step.
+* ``max_concurrency(num_blocks, block_size, max_model_len)``: vLLM's "maximum concurrency" for requests
+  of ``max_model_len`` tokens, the ratio it logs at start-up (whole part: how many such requests hold
+  their KV at once). Checked by submitting such requests to the engine and counting how many it admits
+  in one step.
 
-Both are checked on the ``tiny`` model (2 layers, 2 KV heads, head_dim 16), on the CPU.
+The references are the engine's own sizing functions (``tinypaged.kv.sizing``). Both are checked on the
+``tiny`` model (2 layers, 2 KV heads, head_dim 16), on the CPU.
 """
 
 from __future__ import annotations
 
 import logging
 
-from tinypaged.kv.block_manager import blocks_needed
 from tinypaged.course.checks import Case, register
 from tinypaged.course.checks._util import rng
-
-
-def kv_blocks(kv_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-              block_size: int) -> int:
-    """Reference: a token's keys and values in every layer take 2 x layers x kv_heads x head_dim x
-    bytes; a block holds ``block_size`` tokens; only whole blocks count."""
-    return kv_bytes // (2 * num_layers * num_kv_heads * head_dim * dtype_bytes * block_size)
-
-
-def max_concurrency(num_blocks: int, block_size: int, max_model_len: int) -> int:
-    """Reference: a full-length request holds ceil(max_model_len / block_size) blocks (its last block
-    may be part empty); that many blocks at a time fit in ``num_blocks``."""
-    return num_blocks // blocks_needed(max_model_len, block_size)
-
+from tinypaged.kv.sizing import kv_blocks, max_concurrency
 
 _TINY = dict(num_layers=2, num_kv_heads=2, head_dim=16)  # tinypaged.model.loader.tiny_hf_config()
 
 
 def _table(what, rows):
-    """One case: the implementation on each row of arguments (whole numbers expected)."""
+    """One case: the implementation on each row of arguments."""
     return lambda f, t: t(what, [f(*row) for row in rows])
 
 
@@ -65,22 +53,23 @@ def cases_kv_blocks(hidden):
 
 @register("06", "max_concurrency", reference=lambda: max_concurrency, points=2)
 def cases_max_concurrency(hidden):
+    tol = 1e-9  # a ratio: the same quotient computed another way may differ in its last bits
     if hidden is None:
         return [
             Case("too few blocks", _table("100 blocks of 16, max_model_len 2048", [(100, 16, 2048)]),
-                 "a 2048-token request needs 128 blocks of 16"),
-            Case("whole requests", _table("1000 blocks of 16, max_model_len 2048", [(1000, 16, 2048)]),
-                 "1000 // 128"),
+                 "a 2048-token request needs 128 blocks of 16: 100 of them are 100/128 of one request", tol=tol),
+            Case("a whole number of requests", _table("1024 blocks of 16, max_model_len 2048", [(1024, 16, 2048)]),
+                 "1024 / 128", tol=tol),
             Case("a part-empty last block", _table("10 blocks of 16, max_model_len 17", [(10, 16, 17)]),
-                 "a 17-token request needs 2 blocks of 16"),
+                 "a 17-token request needs 2 blocks of 16 (the second one holds 1 token): 10 / 2", tol=tol),
             Case("as the engine admits", _table("(24 blocks of 4, max_model_len 30), (40 blocks of 16, 40)",
                                                 [(24, 4, 30), (40, 16, 40)]),
-                 "the engine admits this many full-length requests in its first step"),
+                 "the engine admits the whole part of this many full-length requests in its first step", tol=tol),
         ]
     r = rng(hidden, 62)
     rows = [(r.randint(0, 10**6), r.choice([1, 4, 8, 16, 32, 128]), r.randint(1, 8192)) for _ in range(60)]
     return [Case("random caches", _table(f"60 random (num_blocks, block_size, max_model_len), e.g. {rows[:1]}", rows),
-                 weight=2)]
+                 weight=2, tol=tol)]
 
 
 def engine_blocks(kv_bytes: int, dtype: str, block_size: int) -> int:

@@ -1,8 +1,9 @@
 """Stage 7 checks: a token-granular radix tree (match with splits, insert, LRU leaf eviction under lock
 references) and the longest-prefix-match order, then both serving SmolLM2 through the engine's seams.
 
-The reference tree is ``tinypaged.kv.radix_cache.RadixCache`` with ``page_size=1``; the learner's class has
-the same interface (``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``/``dec_lock_ref``,
+The references are the package's own: ``tinypaged.kv.radix_cache.RadixTree`` (the engine's tree, at page size 1
+here) and ``tinypaged.sched.radix_policy.lpm_order`` (the engine's ``lpm``). The learner's class has the same
+interface (``match_prefix``, ``insert``, ``evict``, ``inc_lock_ref``/``dec_lock_ref``,
 ``evictable_size``/``protected_size``, ``root`` of nodes with ``key``, ``value``, ``lock_ref``,
 ``children``). A case records what the calls return and the tree's shape, never node identities.
 
@@ -19,15 +20,8 @@ import random
 from tinypaged.course.checks import Case, _show, differ, plain, register
 from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
-from tinypaged.kv.radix_cache import RadixCache, RadixKVManager
-from tinypaged.sched.radix_policy import CacheAwareOrder, longest_prefix_first
-
-
-def lpm_order(seqs: list, cached_tokens, fcfs_above: int = 128) -> list:
-    """SGLang's ``lpm``: longest cached prefix first (stable); arrival order above ``fcfs_above`` requests."""
-    if len(seqs) > fcfs_above:
-        return list(seqs)
-    return longest_prefix_first(seqs, cached_tokens)
+from tinypaged.kv.radix_cache import RadixKVManager, RadixTree
+from tinypaged.sched.radix_policy import CacheAwareOrder, lpm_order
 
 
 def shape(tree) -> list:
@@ -127,7 +121,7 @@ def _as_python(ops: list[tuple], keep: list[int]) -> str:
 def _first_wrong(cls, ops: list[tuple], keep: list[int]) -> tuple[int, str] | None:
     """Where ``cls`` first disagrees with the reference on the operations ``keep``: (position in ``keep``, what the
     reference and ``cls`` answered there), or None."""
-    mine, ref, mine_nodes, ref_nodes = cls(), RadixCache(1), {}, {}
+    mine, ref, mine_nodes, ref_nodes = cls(), RadixTree(), {}, {}
     for n, i in enumerate(keep):
         want = [plain(v) for _, v in _apply(ref, ops, i, ref_nodes)]
         try:
@@ -174,11 +168,11 @@ def _shortest_failure(cls, ops: list[tuple], upto: int) -> list[int]:
 def _workout(seed: int, steps: int):
     def run(cls, t):
         ops = _ops(seed, steps)
-        tree, ref, nodes, ref_nodes = cls(), RadixCache(1), {}, {}
+        tree, ref, nodes, ref_nodes = cls(), RadixTree(), {}, {}
         for i in range(len(ops)):
             # The reference runs beside the tree only to find the first wrong step and shorten the run that
             # leads to it (a replayable note); the verdict compares the recorded steps, as in every check.
-            want = _apply(ref, ops, i, ref_nodes) if cls is not RadixCache else None
+            want = _apply(ref, ops, i, ref_nodes) if cls is not RadixTree else None
             try:
                 got = _apply(tree, ops, i, nodes)
             except NotImplementedError:
@@ -195,8 +189,8 @@ def _workout(seed: int, steps: int):
     return run
 
 
-@register("07", "RadixTree", reference=lambda: RadixCache, points=7, name="radix_tree",
-          forbidden=lambda: [RadixCache, RadixKVManager])
+@register("07", "RadixTree", reference=lambda: RadixTree, points=7, name="radix_tree",
+          forbidden=lambda: [RadixTree, RadixKVManager])
 def cases_radix_tree(hidden):
     def split(cls, t):
         tree = cls()
@@ -294,7 +288,7 @@ def _order_case(reqs, fcfs_above=128):
 
 
 @register("07", "lpm_order", reference=lambda: lpm_order, points=1,
-          forbidden=lambda: [lpm_order, longest_prefix_first, CacheAwareOrder])
+          forbidden=lambda: [lpm_order, CacheAwareOrder])
 def cases_lpm_order(hidden):
     if hidden is None:
         return [Case("longest first", _order_case([(0, 0), (1, 16), (2, 4), (3, 16)]), "sort by cached tokens, "
@@ -316,7 +310,7 @@ def cases_lpm_order(hidden):
 
 def _preflight(impl):
     """The plug-ins are the package's seams (``RadixKVManager``, ``CacheAwareOrder``): the tree inside the
-    manager must be the notebook's RadixTree (not the package's RadixCache) and the policy's order the
+    manager must be the notebook's RadixTree (not the package's RadixTree) and the policy's order the
     notebook's lpm_order (not a named order such as ``"lpm"``, nor the package's function)."""
     from tinypaged.course.checks import get, reuse_of_reference
     from tinypaged.interfaces import KVCacheSpec
