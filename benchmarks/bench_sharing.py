@@ -35,7 +35,8 @@ import torch
 from tinypaged import LLM, SamplingParams
 from tinypaged.lab import workloads
 from tinypaged.engine.beam_search import beam_search, analytic_shared_blocks
-from tinypaged.kv.block_manager import BlockManager, blocks_needed
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.sampling_params import BeamSearchParams
 from tinypaged.sequence import Sequence
 

@@ -41,7 +41,6 @@ import triton.language as tl
 
 from tinypaged.kernels.reference import check_decode_args as _check
 from tinypaged.kernels.reference import check_kernel_layout
-from tinypaged.kernels.reference import gather_then_attend, paged_attention_reference  # noqa: F401 (re-exported)
 
 # Tokens per loop iteration of the attention kernel, independent of the page size (a tile may
 # span several small pages or part of a big one): as many as keep a tile's [GROUP_PAD, TILE_N,

@@ -26,7 +26,6 @@ import triton.language as tl
 
 from tinypaged.kernels.reference import check_cache_write_args as _check
 from tinypaged.kernels.reference import check_kernel_layout
-from tinypaged.kernels.reference import reshape_and_cache_reference  # noqa: F401 (re-exported)
 
 
 @triton.jit

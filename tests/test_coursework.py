@@ -175,7 +175,7 @@ def test_scan_finds_tampering(src):
     "from tinypaged.course.checks import check\ncheck('first_fit', first_fit)",
     "import torch\ntorch.backends.cudnn.deterministic = True",
     "class A:\n    def __init__(self):\n        self.free = []\n        self.free.append(1)",
-    "from tinypaged.kv.block_manager import hash_block_tokens\nh = hash_block_tokens(None, [1])",
+    "from tinypaged.kv.block_pool import hash_block_tokens\nh = hash_block_tokens(None, [1])",
     "def first_fit(holes, size):\n    return next((s for s, g in holes if g >= size), None)",
 ])
 def test_scan_leaves_ordinary_code_alone(src):

@@ -19,7 +19,8 @@ import tinypaged.engine.llm_engine as llm_engine
 from tinypaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from tinypaged.__main__ import main
 from tinypaged.config import BOOLS, NUMBERS, OPTIONAL
-from tinypaged.sched.scheduler import PlanPolicy, StaticBatching, make_policy, schedule_step
+from tinypaged.sched.policies import PlanPolicy, StaticBatching, schedule_step
+from tinypaged.sched.scheduler import make_policy
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 

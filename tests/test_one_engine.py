@@ -192,3 +192,45 @@ def test_solved_exercise_runs_on_the_student_edition(tmp_path, assignment):
     assert f"tinypaged from {edition}" in printed
     verdicts = [line for line in printed.splitlines() if line.startswith("check ")]
     assert verdicts and all(line.endswith(": PASS") for line in verdicts), verdicts
+
+
+def test_student_edition_launches_the_learners_triton_kernel(tmp_path):
+    """A graded Triton kernel cannot call Python, so the edition replaces it by a stand-in whose launch
+    (``kernel[grid](...)``) launches the learner's kernel of that name: the package's launcher then runs their code."""
+    out = tmp_path / "edition"
+    report = se.write(out, ["05_triton_paged_attention"])
+    assert "reshape_and_cache_kernel" in report["tinypaged/kernels/reshape_and_cache.py"]
+    edition_src = (out / "tinypaged" / "kernels" / "reshape_and_cache.py").read_text()
+    assert "@triton.jit" not in edition_src.split("reshape_and_cache_kernel = KernelHandIn")[0].rsplit("\n\n\n", 1)[-1]
+    package_src = (se.ROOT / "kernels" / "reshape_and_cache.py").read_text()
+    kernel = ast.get_source_segment(package_src, se._find(ast.parse(package_src), "reshape_and_cache_kernel"))
+    start = package_src.index(kernel)
+    decorators = package_src[:start].rsplit("\n\n\n", 1)[-1]  # the decorator lines above the def
+    script = tmp_path / "learner.py"
+    script.write_text(textwrap.dedent("""
+        import sys, torch
+        import tinypaged, tinypaged.kernels as K
+        import triton, triton.language as tl
+        assert tinypaged.__file__.startswith(sys.argv[1])
+        key, value = torch.randn(3, 2, 8, dtype=torch.float64), torch.randn(3, 2, 8, dtype=torch.float64)
+        def fresh():
+            return torch.zeros(4, 4, 2, 8, dtype=torch.float64), torch.zeros(4, 4, 2, 8, dtype=torch.float64)
+        slots = torch.tensor([5, -1, 13])
+        try:
+            K.reshape_and_cache(key, value, *fresh(), slots)
+        except NotImplementedError as e:
+            print("before:", e)
+    """) + decorators + kernel + textwrap.dedent("""
+
+        kc, vc = fresh()
+        K.reshape_and_cache(key, value, kc, vc, slots)
+        rk, rv = fresh()
+        K.reshape_and_cache_reference(key, value, rk, rv, slots)
+        print("after:", torch.equal(kc, rk) and torch.equal(vc, rv))
+    """))
+    run = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600,
+                         env={"PYTHONPATH": str(out), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1",
+                              "OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "before: student edition: 05_triton_paged_attention, part reshape_and_cache_kernel" in run.stdout
+    assert "after: True" in run.stdout

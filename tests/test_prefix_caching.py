@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tinypaged import LLM, SamplingParams
-from tinypaged.kv.block_manager import ROOT_HASH, BlockManager, hash_block_tokens
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.block_pool import ROOT_HASH, hash_block_tokens
 from tinypaged.sequence import Sequence
 
 

@@ -278,7 +278,7 @@ def _generate(**kw):
 
 
 def test_every_manager_and_order_gives_the_same_tokens():
-    from tinypaged.sched.scheduler import schedule_step
+    from tinypaged.sched.policies import schedule_step
 
     _, base = _generate()
     want = [o.outputs[0].token_ids for o in base]
@@ -309,7 +309,7 @@ def test_same_step_prefix_sharing_passes_the_slot_check():
     """Regression: with a plug-in (so the cross-sequence slot check is on) and prefix caching, two requests
     admitted in one step share the prefix the first is writing; the check took that for an overwrite."""
     from tinypaged import LLM, SamplingParams
-    from tinypaged.sched.scheduler import schedule_step
+    from tinypaged.sched.policies import schedule_step
 
     llm = LLM("tiny", enable_prefix_caching=True, scheduling_policy=schedule_step, block_size=4, kv_cache_tokens=256)
     p = {"prompt_token_ids": list(range(1, 40))}

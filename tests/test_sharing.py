@@ -224,12 +224,12 @@ def _broken_implementations():
         table.clear()
 
     def hash_unchained(tokens, bs):
-        from tinypaged.kv.block_manager import hash_block_tokens
+        from tinypaged.kv.block_pool import hash_block_tokens
 
         return [hash_block_tokens(None, tokens[i * bs:(i + 1) * bs]) for i in range(len(tokens) // bs)]
 
     def hash_partial_too(tokens, bs):
-        from tinypaged.kv.block_manager import hash_block_tokens
+        from tinypaged.kv.block_pool import hash_block_tokens
 
         out = []
         for i in range(-(-len(tokens) // bs)):
@@ -237,7 +237,7 @@ def _broken_implementations():
         return out
 
     def prefix_uncapped(tokens, bs, cache):
-        from tinypaged.kv.block_manager import hash_chain
+        from tinypaged.kv.block_pool import hash_chain
 
         hit = []
         for h in hash_chain(tokens, bs):
@@ -247,12 +247,12 @@ def _broken_implementations():
         return hit
 
     def prefix_skips_misses(tokens, bs, cache):
-        from tinypaged.kv.block_manager import hash_chain
+        from tinypaged.kv.block_pool import hash_chain
 
         return [cache[h] for h in hash_chain(tokens[:-1], bs) if h in cache]
 
     def _chain(tokens, bs, extra_keys=None, known=()):  # hash_chain written again (not the package's code)
-        from tinypaged.kv.block_manager import hash_block_tokens
+        from tinypaged.kv.block_pool import hash_block_tokens
 
         out = list(known)
         for i in range(len(out), len(tokens) // bs):

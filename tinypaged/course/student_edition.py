@@ -191,6 +191,14 @@ def stub_file(text: str, stubs: list[tuple[str, str, str]]) -> str:
         fn = _find(tree, dotted)
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             raise LookupError(f"{dotted} is not a function of this file")
+        if any("jit" in ast.unparse(d) for d in fn.decorator_list):
+            # a Triton kernel cannot call Python: the whole definition becomes a stand-in that launches theirs
+            start = min(d.lineno for d in fn.decorator_list) - 1
+            indent = " " * fn.col_offset
+            cuts.append((start, fn.end_lineno,
+                         f"{indent}from tinypaged.course.handin import KernelHandIn  # student edition\n"
+                         f"{indent}{fn.name} = KernelHandIn({assignment!r}, {part!r})\n"))
+            continue
         body = fn.body
         keep = 1 if _strip_docstring(body) is not body else 0
         first = body[keep] if keep < len(body) else None

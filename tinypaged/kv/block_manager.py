@@ -33,9 +33,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tinypaged.attention.backends import slot_mapping
-# ROOT_HASH and hash_block_tokens are re-exported: lessons and tests import them from here
-from tinypaged.kv.block_pool import (ROOT_HASH, BlockAllocator, PrefixCache, blocks_needed,  # noqa: F401
-                                     hash_block_tokens, hash_chain)
+from tinypaged.kv.block_pool import BlockAllocator, PrefixCache, blocks_needed, hash_chain
 from tinypaged.kv.swap_space import SwapSpace
 
 

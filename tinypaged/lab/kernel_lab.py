@@ -8,7 +8,7 @@ body: it lives with the other specs in ``tinypaged.kernels.reference``.
 
 import torch
 
-from tinypaged.kv.block_manager import blocks_needed
+from tinypaged.kv.block_pool import blocks_needed
 
 
 def random_paged_batch(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,

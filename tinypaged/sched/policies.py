@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypaged.kv.block_manager import blocks_needed
+from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 
 

@@ -2,7 +2,7 @@
 
 SGLang's policy only *orders* the waiting queue (``managers/schedule_policy.py``, ``calc_priority``);
 admission then runs as usual. Here too: ``CacheAwareOrder`` hands the engine's own continuous step
-(``tinypaged.sched.scheduler.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
+(``tinypaged.sched.policies.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
 ``waiting`` is reordered, and changes nothing else. Admission, the token budget, preemption and the
 checks are the inner policy's.
 
@@ -58,7 +58,7 @@ class CacheAwareOrder:
         if fcfs_above < 0:
             raise ValueError(f"fcfs_above must be >= 0, got {fcfs_above}")
         if inner is None:
-            from tinypaged.sched.scheduler import PlanPolicy
+            from tinypaged.sched.policies import PlanPolicy
 
             inner = PlanPolicy()
         self.order, self.fcfs_above, self.inner = order, fcfs_above, inner

@@ -19,9 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tinypaged.interfaces import InvariantError
-from tinypaged.sched.policies import (BlockCounter, PlanPolicy, PlanRequest, StaticBatching, StepPlan,  # noqa: F401
-                                schedule_step)
-from tinypaged.sched.output import ScheduledSeq, SchedulerOutput  # noqa: F401  (re-exported)
+from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
+from tinypaged.sched.policies import PlanPolicy, PlanRequest, StaticBatching, schedule_step
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger("tinypaged")

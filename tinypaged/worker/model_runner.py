@@ -14,7 +14,7 @@ import os
 import torch
 
 from tinypaged.attention.backends import DecodeBatch, ForwardContext, paged_context_slots
-from tinypaged.kv.block_manager import blocks_needed
+from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.interfaces import InvariantError, KVCacheSpec
 from tinypaged.kv.sizing import KVLayout, max_concurrency, size_kv_cache, sizing_knob
 from tinypaged.worker.kv_cache import KVCacheTensors, kv_bytes_per_token

@@ -10,9 +10,8 @@ from __future__ import annotations
 import random
 
 from tinypaged.sched import policies
-from tinypaged.kv.block_manager import blocks_needed
+from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.course.checks import Case, register
-from tinypaged.course.checks._util import rng
 from tinypaged.course.checks.serving import serving_check
 from tinypaged.sched.policies import BlockCounter, PlanRequest
 
