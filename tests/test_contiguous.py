@@ -167,13 +167,12 @@ def test_a_learner_allocator_and_reservation_drop_into_the_engine_manager():
 
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=8)
-    mine = tiny(kv_cache="contiguous", reservation_policy="pow2",
-                kv_cache_manager=ContiguousKVManager.factory(_ListAllocator, my_reservation))
+    mine = tiny(reservation_policy="pow2", kv_cache_manager=ContiguousKVManager.factory(_ListAllocator, my_reservation))
     got = mine.generate(prompts, params)
     kv = mine.llm_engine.kv
     assert isinstance(kv.allocator, _ListAllocator) and kv.allocator.placed == [] and kv.usage == 0
     assert calls and set(calls) == {18}  # every request's reservation went through the given function
-    want = tiny(kv_cache="contiguous", reservation_policy="pow2").generate(prompts, params)
+    want = tiny(kv_cache_manager="contiguous", reservation_policy="pow2").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
 
@@ -189,7 +188,7 @@ def tiny(**kw):
 @pytest.mark.parametrize("scheduler", ["static", "continuous"])
 def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
     """40 slots, 18 reserved per request (oracle: 10 + 8): two at a time, the rest wait their turn."""
-    llm = tiny(kv_cache="contiguous", reservation_policy="oracle", scheduling_policy=scheduler)
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="oracle", scheduling_policy=scheduler)
     kv = llm.llm_engine.kv
     seen = []
 
@@ -214,7 +213,7 @@ def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
 
 
 def test_max_policy_reserves_max_model_len_per_request():
-    llm = tiny(kv_cache="contiguous", reservation_policy="max", scheduling_policy="static", kv_cache_tokens=130)
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="max", scheduling_policy="static", kv_cache_tokens=130)
     running = []
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=4),
                  on_step=lambda s: running.append(llm.get_metrics()["kv_reserved_tokens"]))
@@ -222,10 +221,10 @@ def test_max_policy_reserves_max_model_len_per_request():
 
 
 def test_never_fitting_request_is_a_clear_value_error():
-    llm = tiny(kv_cache="contiguous", reservation_policy="max")  # reserves 64 > 40 slots
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="max")  # reserves 64 > 40 slots
     with pytest.raises(ValueError, match="can never fit in the KV cache"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4))
-    llm = tiny(kv_cache="contiguous", reservation_policy="oracle")
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="oracle")
     with pytest.raises(ValueError, match="needs up to 50 tokens"):
         llm.generate([{"prompt_token_ids": list(range(3, 33))}], SamplingParams(max_tokens=20))
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was queued
@@ -234,8 +233,8 @@ def test_never_fitting_request_is_a_clear_value_error():
 def test_contiguous_gives_the_same_tokens_as_paged_and_transformers():
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    contiguous = tiny(kv_cache="contiguous", reservation_policy="pow2", scheduling_policy="static").generate(prompts, params)
-    paged = tiny(kv_cache="paged", block_size=4, kv_cache_tokens=256).generate(prompts, params)
+    contiguous = tiny(kv_cache_manager="contiguous", reservation_policy="pow2", scheduling_policy="static").generate(prompts, params)
+    paged = tiny(kv_cache_manager="paged", block_size=4, kv_cache_tokens=256).generate(prompts, params)
     hf = tiny_hf_model(seed=0).double()
     for p, c, pg in zip(PROMPTS, contiguous, paged):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(p):].tolist()

@@ -263,9 +263,9 @@ def test_fanout_shares_the_prompt_only_through_the_prefix_cache():
 
 
 # -- metrics ask the KV manager, never its type --------------------------------------------------------
-@pytest.mark.parametrize("kw", [dict(kv_cache="contiguous", reservation_policy="max", kv_cache_tokens=400,
+@pytest.mark.parametrize("kw", [dict(kv_cache_manager="contiguous", reservation_policy="max", kv_cache_tokens=400,
                                      num_gpu_blocks_override=None, scheduling_policy="static"),
-                                dict(kv_cache="paged", parallel_sampling="fork")], ids=["contiguous", "paged-fork"])
+                                dict(kv_cache_manager="paged", parallel_sampling="fork")], ids=["contiguous", "paged-fork"])
 def test_kv_waste_is_allocated_slots_minus_slots_holding_tokens(kw):
     llm = tiny(**kw)
     engine = llm.llm_engine
@@ -284,6 +284,6 @@ def test_kv_waste_is_allocated_slots_minus_slots_holding_tokens(kw):
             assert m["kv_waste_tokens"] == m["kv_blocks_used"] * 4 - sum(filled.values())
         seen.append(m["kv_waste_tokens"])
 
-    n = 1 if kw["kv_cache"] == "contiguous" else 2
+    n = 1 if kw["kv_cache_manager"] == "contiguous" else 2
     llm.generate(PROMPT, SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=6, ignore_eos=True), on_step=watch)
     assert max(seen) > 0 and engine.get_metrics()["kv_waste_tokens"] == 0

@@ -24,7 +24,7 @@ def run(fast_path: bool, dtype="float64", **kw):
     return [list(o.outputs[0].token_ids) for o in outs], [x for x in logits if x is not None], llm
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(kv_cache="contiguous"), dict(enable_prefix_caching=True)],
+@pytest.mark.parametrize("kw", [dict(), dict(kv_cache_manager="contiguous"), dict(enable_prefix_caching=True)],
                          ids=["paged", "contiguous", "prefix-caching"])
 def test_fast_path_equals_reference_in_float64(kw):
     ref_tokens, ref_logits, _ = run(False, **kw)
@@ -78,3 +78,27 @@ def test_fused_weights_are_the_layers_weights():
         expected = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
         torch.testing.assert_close(attn.qkv_proj(x), expected)
         torch.testing.assert_close(attn.q_proj.weight, state["model.layers.1.self_attn.q_proj.weight"])
+
+
+def test_every_fast_path_projection_goes_through_onednn_linear_and_equals_f_linear(monkeypatch):
+    """float32 on a CPU: the fast path's GEMMs call oneDNN (``fused.linear``), numbers as ``F.linear``'s; float64
+    (which oneDNN does not take) and the reference path keep ``F.linear``."""
+    from tinypaged.model import fused
+
+    if not fused.ONEDNN:
+        pytest.skip("torch was built without oneDNN")
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    for rows in (1, 3, 16, 100):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(fused.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    calls = []
+    pointwise = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(fused, "linear", lambda x, w, b=None: calls.append(w.shape) or pointwise(x, w, b, "none", [],
+                                                                                                    ""))
+    for fast, expected in ((True, 4 * 2 + 1), (False, 0)):  # tiny: 2 layers x (qkv, o, gate_up, down) + lm_head
+        calls.clear()
+        llm = LLM("tiny", device="cpu", dtype="float32", fast_path=fast, kv_cache_tokens=256)
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=1))
+        assert len(calls) == expected, fast

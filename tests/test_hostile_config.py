@@ -19,6 +19,8 @@ import tinypaged.engine.llm_engine as llm_engine
 from tinypaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from tinypaged.__main__ import main
 from tinypaged.config import BOOLS, NUMBERS, OPTIONAL
+from tinypaged.kv.block_manager import BlockManager
+from tinypaged.kv.contiguous import ContiguousKVManager
 from tinypaged.sched.policies import PlanPolicy, StaticBatching, schedule_step
 from tinypaged.sched.scheduler import make_policy
 
@@ -65,10 +67,11 @@ def no_model_load(monkeypatch):
     (dict(device="cudax"), ValueError, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cudax'"),
     (dict(model=None), TypeError, r"model must be a model name \('smollm2-135m', 'tiny'\) or the path"),
     (dict(model=""), TypeError, r"model must be a model name"),
-    (dict(kv_cache=None), TypeError, r"kv_cache=None: use one of 'contiguous', 'paged'"),
+    (dict(kv_cache_manager=None), TypeError, r"kv_cache_manager must be 'paged', 'contiguous' or a factory.*got None"),
+    (dict(kv_cache_manager="virtual"), ValueError, r"kv_cache_manager='virtual': use one of 'paged', 'contiguous'"),
     (dict(dtype="float8"), ValueError, r"dtype='float8': use one of 'float32'"),
-    (dict(kv_cache_manager=object), TypeError, r"kv_cache_manager must be a factory called with one KVCacheSpec"),
-    (dict(kv_cache_manager=5), TypeError, r"kv_cache_manager must be a factory.*got 5"),
+    (dict(kv_cache_manager=object), TypeError, r"kv_cache_manager must be 'paged', 'contiguous' or a factory called with one KVCacheSpec"),
+    (dict(kv_cache_manager=5), TypeError, r"kv_cache_manager must be .*a factory.*got 5"),
 ])
 def test_bad_knob_is_a_clear_error_naming_it(kw, error, words):
     with pytest.raises(error, match=words):
@@ -141,6 +144,23 @@ def test_the_removed_scheduler_alias_is_an_unknown_knob():
     """``scheduler=`` was the deprecated alias of ``scheduling_policy``; one knob per decision now."""
     with pytest.raises(TypeError, match="scheduler"):
         config(scheduler="static")
+
+
+@pytest.mark.parametrize("old, new", [("kv_cache", "kv_cache_manager"), ("scheduler", "scheduling_policy")])
+def test_a_merged_knob_names_the_one_that_replaced_it(old, new):
+    """One knob per decision: ``LLM(kv_cache=...)`` (merged into ``kv_cache_manager``) and ``scheduler=`` fail
+    before any model is loaded, naming the knob to use instead."""
+    with pytest.raises(TypeError, match=rf"LLM\({old}=\.\.\.\) is gone: its decision is {new}="):
+        LLM("no-such-model", **{old: "contiguous"})
+
+
+def test_the_layout_follows_the_kv_manager():
+    """The KV tensors' layout is the manager's: by name, or a factory's declared ``layout`` (paged when none)."""
+    assert config(kv_cache_manager="contiguous").kv_layout == "contiguous"
+    assert config(kv_cache_manager=ContiguousKVManager.factory()).kv_layout == "contiguous"
+    assert config(kv_cache_manager=ContiguousKVManager.from_spec).kv_layout == "contiguous"
+    assert config(kv_cache_manager=BlockManager.from_spec).kv_layout == "paged"
+    assert config(kv_cache_manager=lambda spec: None).kv_layout == "paged"
 
 
 def test_chunked_prefill_is_on_where_the_policy_can_split_prompts():
@@ -245,8 +265,8 @@ def cli(capsys, *args):
     (["", "--model", "tiny"], "argument prompts: a prompt must hold some text"),
     (["hi", "--model", "gpt-17"], "Unknown model 'gpt-17': the built-in names are"),
     (["hi", "--model", "./no/such/folder"], "no such folder"),
-    (["hi", "--model", "tiny", "--kv-cache", "contiguous", "--enable-prefix-caching"],
-     "enable_prefix_caching shares blocks, so it needs kv_cache='paged'"),
+    (["hi", "--model", "tiny", "--kv-cache-manager", "contiguous", "--enable-prefix-caching"],
+     "enable_prefix_caching shares blocks, so it needs a paged KV manager"),
 ])
 def test_cli_bad_input_is_one_error_line_and_exit_2(capsys, args, words):
     rc, err = cli(capsys, *args)
@@ -256,13 +276,13 @@ def test_cli_bad_input_is_one_error_line_and_exit_2(capsys, args, words):
 
 def test_cli_runs_the_real_module_without_a_traceback():
     """One real ``python -m tinypaged`` run: an engine-side error (caught around LLM) is one line, exit 2."""
-    args = ["generate", "hi", "--model", "tiny", "--kv-cache", "contiguous", "--enable-prefix-caching"]
+    args = ["generate", "hi", "--model", "tiny", "--kv-cache-manager", "contiguous", "--enable-prefix-caching"]
     run = subprocess.run([sys.executable, "-m", "tinypaged", *args], capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=300)
     err = run.stderr.strip().splitlines()
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     assert err == ["python -m tinypaged generate: error: enable_prefix_caching shares blocks, so it needs "
-                   "kv_cache='paged'"], run.stderr
+                   "a paged KV manager (kv_cache_manager='paged' or a paged factory)"], run.stderr
 
 
 def test_numpy_numbers_are_stored_as_python_numbers():

@@ -60,7 +60,7 @@ def test_the_engine_builds_what_the_sizing_function_says(kv_cache, knob):
     """Each knob, paged and contiguous: the engine's cache is size_kv_cache's, and that is what the runner
     computed before it was moved out (tokens from the knob, then whole blocks)."""
     block_size = 8
-    llm = tiny(kv_cache=kv_cache, block_size=block_size, **knob)
+    llm = tiny(kv_cache_manager=kv_cache, block_size=block_size, **knob)
     built = llm.llm_engine.kv.num_blocks if kv_cache == "paged" else llm.llm_engine.kv_tensors.num_slots
     size = size_kv_cache(llm.llm_engine.config, llm.llm_engine.runner.kv_layout)
     assert llm.llm_engine.runner.kv_layout == TINY_LAYOUT

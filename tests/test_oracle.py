@@ -47,7 +47,7 @@ def tiny_hf():
 @pytest.mark.parametrize("kv_cache", ["contiguous", "paged"])
 def test_tiny_float64_tokens_and_logits_match_transformers(tiny_hf, kv_cache):
     prompts = [[1, 5, 7, 9, 11], list(range(100, 137)), [42], [7] * 20]
-    llm = LLM("tiny", dtype="float64", device="cpu", kv_cache=kv_cache, kv_cache_tokens=1024, max_model_len=128,
+    llm = LLM("tiny", dtype="float64", device="cpu", kv_cache_manager=kv_cache, kv_cache_tokens=1024, max_model_len=128,
               block_size=4)
     seen = record_logits(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16))

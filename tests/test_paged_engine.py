@@ -56,7 +56,7 @@ def hf_tokens(prompts):
 
 @pytest.fixture(scope="module")
 def contiguous_tokens(prompts):
-    return token_ids(tiny(kv_cache="contiguous", kv_cache_tokens=512).generate(prompts, greedy()))
+    return token_ids(tiny(kv_cache_manager="contiguous", kv_cache_tokens=512).generate(prompts, greedy()))
 
 
 def test_contiguous_matches_transformers(contiguous_tokens, hf_tokens):
@@ -65,7 +65,7 @@ def test_contiguous_matches_transformers(contiguous_tokens, hf_tokens):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_matches_contiguous_and_transformers(block_size, prompts, hf_tokens, contiguous_tokens):
-    llm = tiny(kv_cache="paged", block_size=block_size, kv_cache_tokens=512)
+    llm = tiny(kv_cache_manager="paged", block_size=block_size, kv_cache_tokens=512)
     got = token_ids(llm.generate(prompts, greedy()))
     assert got == contiguous_tokens == hf_tokens
     m = llm.get_metrics()
@@ -92,8 +92,8 @@ def test_smollm2_paged_matches_contiguous(monkeypatch):
     prompts = ["The capital of France is", "Paged memory lets an operating system"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     common = {"dtype": "float32", "device": "cpu", "kv_cache_tokens": 256, "max_model_len": 64}
-    contiguous = LLM("smollm2-135m", kv_cache="contiguous", **common).generate(prompts, params)
-    paged = LLM("smollm2-135m", kv_cache="paged", block_size=16, **common).generate(prompts, params)
+    contiguous = LLM("smollm2-135m", kv_cache_manager="contiguous", **common).generate(prompts, params)
+    paged = LLM("smollm2-135m", kv_cache_manager="paged", block_size=16, **common).generate(prompts, params)
     assert len(loaded) == 1
     assert token_ids(paged) == token_ids(contiguous)
     assert all(len(t) == 32 for t in token_ids(paged))
@@ -106,8 +106,8 @@ def test_four_block_cache_serves_many_requests_a_few_at_a_time(scheduler):
     admits on the prompt's blocks and preempts (recompute) when the cache runs dry."""
     prompts = token_prompts([3, 6, 4, 5, 2, 6, 3, 4, 5, 6, 2, 3], seed=1)
     params = greedy(6)
-    reference = token_ids(tiny(kv_cache="paged", block_size=8, kv_cache_tokens=1024).generate(prompts, params))
-    llm = tiny(kv_cache="paged", block_size=8, num_gpu_blocks_override=4, scheduling_policy=scheduler)
+    reference = token_ids(tiny(kv_cache_manager="paged", block_size=8, kv_cache_tokens=1024).generate(prompts, params))
+    llm = tiny(kv_cache_manager="paged", block_size=8, num_gpu_blocks_override=4, scheduling_policy=scheduler)
     engine = llm.llm_engine
     seen = []
 
@@ -129,10 +129,10 @@ def test_four_block_cache_serves_many_requests_a_few_at_a_time(scheduler):
 
 
 def test_request_larger_than_the_cache_is_refused_and_nothing_is_lost():
-    llm = tiny(kv_cache="paged", block_size=8, num_gpu_blocks_override=4)  # 32 tokens in all
+    llm = tiny(kv_cache_manager="paged", block_size=8, num_gpu_blocks_override=4)  # 32 tokens in all
     engine = llm.llm_engine
     good = token_prompts([5, 7], seed=2)
-    expected = token_ids(tiny(kv_cache="paged", block_size=8, kv_cache_tokens=512).generate(good, greedy(6)))
+    expected = token_ids(tiny(kv_cache_manager="paged", block_size=8, kv_cache_tokens=512).generate(good, greedy(6)))
     big = token_prompts([10])[0]
     with pytest.raises(ValueError, match="can never fit"):  # generate() validates before queueing anything
         llm.generate([good[0], big], [greedy(6), greedy(40)])
@@ -152,7 +152,7 @@ def test_request_larger_than_the_cache_is_refused_and_nothing_is_lost():
 
 
 def test_metrics_report_blocks_and_waste():
-    llm = tiny(kv_cache="paged", block_size=4, num_gpu_blocks_override=32)
+    llm = tiny(kv_cache_manager="paged", block_size=4, num_gpu_blocks_override=32)
     engine = llm.llm_engine
     checked = []
 
@@ -186,7 +186,7 @@ def test_capacity_log_line():
     logger.addHandler(cap)
     logger.setLevel(logging.INFO)  # the engine configures logging only when it finds no handler: do not depend on order
     try:
-        tiny(kv_cache="paged", block_size=16, num_gpu_blocks_override=32)
+        tiny(kv_cache_manager="paged", block_size=16, num_gpu_blocks_override=32)
     finally:
         logger.removeHandler(cap)
         logger.setLevel(level)

@@ -149,12 +149,12 @@ def test_scheduling_policy_plugin_serves_the_engine():
 def test_scheduling_policy_object_plugin():
     from tinypaged.sched.policies import PlanPolicy, schedule_step
 
-    class Logged(PlanPolicy):
+    class Logged(PlanPolicy):  # a plan policy only decides: the scheduler's adapter applies its plan
         steps = 0
 
-        def schedule(self, scheduler):
+        def plan(self, running, waiting, budget, max_num_seqs, kv):
             Logged.steps += 1
-            return super().schedule(scheduler)
+            return super().plan(running, waiting, budget, max_num_seqs, kv)
 
     llm = LLM("tiny", scheduling_policy=Logged(schedule_step), **TINY)
     assert tokens(llm) == reference_tokens() and Logged.steps > 0

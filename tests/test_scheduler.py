@@ -35,7 +35,7 @@ def reference():
 
 CONFIGS = {
     "static-4": dict(scheduling_policy="static", max_num_seqs=4),
-    "static-8-contiguous": dict(scheduling_policy="static", max_num_seqs=8, kv_cache="contiguous", kv_cache_tokens=1024),
+    "static-8-contiguous": dict(scheduling_policy="static", max_num_seqs=8, kv_cache_manager="contiguous", kv_cache_tokens=1024),
     "seqs-1": dict(max_num_seqs=1),
     "seqs-2": dict(max_num_seqs=2),
     "seqs-8": dict(max_num_seqs=8),
@@ -43,7 +43,7 @@ CONFIGS = {
     "budget-16-chunked": dict(max_num_seqs=4, max_num_batched_tokens=16),
     "budget-64-chunked": dict(max_num_seqs=8, max_num_batched_tokens=64),
     "budget-128-not-chunked": dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False),
-    "contiguous": dict(max_num_seqs=8, kv_cache="contiguous", kv_cache_tokens=1024),
+    "contiguous": dict(max_num_seqs=8, kv_cache_manager="contiguous", kv_cache_tokens=1024),
     "preempt-recompute": dict(max_num_seqs=8, max_num_batched_tokens=16, num_gpu_blocks_override=16),
     "preempt-recompute-not-chunked": dict(max_num_seqs=8, max_num_batched_tokens=128, enable_chunked_prefill=False,
                                           num_gpu_blocks_override=16),
@@ -242,7 +242,7 @@ def test_generate_validates_every_request_before_any_work():
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(scheduling_policy="fifo"), "scheduling_policy"),
     (dict(preemption_mode="drop"), "preemption_mode"),
-    (dict(preemption_mode="swap", kv_cache="contiguous"), "preemption_mode"),
+    (dict(preemption_mode="swap", kv_cache_manager="contiguous"), "preemption_mode"),
 ])
 def test_impossible_configs_name_the_knob(kw, knob):
     with pytest.raises(ValueError, match=knob):
@@ -463,7 +463,7 @@ def test_swapped_siblings_leave_together_and_match_recompute(parallel_sampling):
 
 # -- the engine runs schedule_step on its own requests ------------------------------------------------
 def test_the_step_sees_the_schedulers_requests_and_kv():
-    from tinypaged.sched.scheduler import QueuedRequest, StepKV
+    from tinypaged.sched.step_adapter import QueuedRequest, StepKV
 
     seen = {}
 

@@ -32,9 +32,9 @@ def test_request_metrics_follow_their_definitions():
 
 def test_systems_are_the_papers_and_differ_only_in_their_own_knobs():
     assert SYSTEM_NAMES == ("static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
-    assert get_system("vllm").engine_kwargs == {"scheduling_policy": "continuous", "kv_cache": "paged"}
+    assert get_system("vllm").engine_kwargs == {"scheduling_policy": "continuous", "kv_cache_manager": "paged"}
     assert system_config("orca-pow2", kv_cache_tokens=100, max_num_seqs=4) == {
-        "scheduling_policy": "continuous", "kv_cache": "contiguous", "reservation_policy": "pow2",
+        "scheduling_policy": "continuous", "kv_cache_manager": "contiguous", "reservation_policy": "pow2",
         "kv_cache_tokens": 100, "max_num_seqs": 4}
     with pytest.raises(ValueError, match="Unknown system 'orca'"):
         get_system("orca")
@@ -121,7 +121,7 @@ def test_contiguous_decode_near_the_end_of_the_arena():
     context must stay inside the arena, and tokens must match running each request alone."""
 
     def run(prompts, outs):
-        llm = LLM("tiny", device="cpu", dtype="float64", kv_cache="contiguous", reservation_policy="oracle",
+        llm = LLM("tiny", device="cpu", dtype="float64", kv_cache_manager="contiguous", reservation_policy="oracle",
                   kv_cache_tokens=40, max_model_len=40)
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs])

@@ -151,7 +151,7 @@ def test_bad_configurations_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="Unknown system"):
         simulate(trace, FIXED, "tgi", kv_cache_tokens=1000)
     with pytest.raises(ValueError, match="define the system"):
-        simulate(trace, FIXED, "vllm", kv_cache_tokens=1000, kv_cache="contiguous")
+        simulate(trace, FIXED, "vllm", kv_cache_tokens=1000, kv_cache_manager="contiguous")
     from tinypaged.config import EngineConfig
 
     with pytest.raises(ValueError, match="recompute"):
@@ -164,7 +164,7 @@ def test_the_simulator_sizes_its_cache_with_the_engines_sizing(kv_cache, knob):
     """One sizing function (tinypaged.kv.sizing) for both: the same knobs give the same cache."""
     from tinypaged.config import EngineConfig
 
-    common = dict(kv_cache=kv_cache, block_size=8, max_model_len=64, **knob)
+    common = dict(kv_cache_manager=kv_cache, block_size=8, max_model_len=64, **knob)
     with quiet(), shared_weights():
         real = LLM("tiny", device="cpu", **common).llm_engine.kv
     sim = ModelFreeEngine(EngineConfig(model="tiny", device="cpu", **common)).kv

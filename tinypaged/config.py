@@ -19,11 +19,13 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV 
 CPU_DEFAULT_MAX_MODEL_LEN = 2048  # a CPU-friendly cap on the model's own context (8192 for SmolLM2)
 SCHEDULING_POLICIES = ("continuous", "static")  # the built-in policies, by name
 ATTENTION_BACKENDS = ("torch", "sdpa", "triton")  # the built-in attention backends, by name
+KV_MANAGERS = ("paged", "contiguous")  # the built-in KV managers, by name (kv_cache_manager)
+# knobs that were merged into another: passing one is a TypeError naming its replacement
+RENAMED = {"kv_cache": "kv_cache_manager", "scheduler": "scheduling_policy"}
 
 # The knobs that take one of a few strings.
 CHOICES = {
     "dtype": tuple(DTYPES),
-    "kv_cache": ("contiguous", "paged"),
     "reservation_policy": ("max", "pow2", "oracle"),
     "parallel_sampling": ("fork", "fanout"),
     "preemption_mode": ("recompute", "swap"),
@@ -46,7 +48,7 @@ NUMBERS = {
 }
 OPTIONAL = {"max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_tokens",
             "max_num_batched_tokens", "enable_chunked_prefill", "check_invariants"}
-BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "fast_path")
+BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "fast_path", "enforce_eager")
 
 
 @dataclass
@@ -63,8 +65,11 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    # stage 1 / stage 2: how the KV cache is laid out
-    kv_cache: str = "paged"  # "contiguous" (stage 1) or "paged" (stage 2+)
+    # stage 1 / stage 2: who manages the KV cache, and so how its tensors are laid out: "paged" (stage 2+, the
+    # built-in BlockManager), "contiguous" (stage 1's ContiguousKVManager), or a factory(spec: KVCacheSpec) ->
+    # KVCacheManager (a plug-in, tinypaged.interfaces); a factory's layout is its ``layout`` attribute (or its
+    # class's), "paged" when it has none. The one knob for the one decision (course-only: vLLM has no such knob).
+    kv_cache_manager: Any = "paged"
     reservation_policy: str = "max"  # stage 1 only: "max", "pow2" or "oracle"
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
@@ -90,13 +95,29 @@ class EngineConfig:
     # course-only: True runs fused QKV and gate/up projections (tinypaged/model/fused.py) and picks "sdpa" for an
     # unset attention_backend; False runs the readable reference path of lessons 1-3 (seven projections). Same tokens.
     fast_path: bool = True
+    # vLLM's name. False compiles the fast path's dense pieces around attention (torch.compile, inductor:
+    # tinypaged/model/compiled.py; seconds of warm-up on the first steps, cached on disk). vLLM v1 today: compiles
+    # by default (enforce_eager=False); here True by default so lessons and tests start at once.
+    enforce_eager: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
-    kv_cache_manager: Any = None  # a factory(spec: KVCacheSpec) -> KVCacheManager; None: kv_cache's own
     check_invariants: bool | None = None  # the costlier per-step checks; None: on when a plug-in is given
     history_size: int = 4096  # steps kept in LLMEngine.history (a bounded deque); 0 keeps none
 
     def __post_init__(self) -> None:
         self.verify()
+
+    @property
+    def kv_layout(self) -> str:
+        """How the KV tensors are laid out, "paged" or "contiguous": ``kv_cache_manager``'s name, or a factory's
+        ``layout`` attribute (a bound ``from_spec``'s class's), "paged" when it declares none."""
+        m = self.kv_cache_manager
+        if isinstance(m, str):
+            return m
+        for owner in (m, getattr(m, "__self__", None)):
+            layout = getattr(owner, "layout", None)
+            if layout in KV_MANAGERS:
+                return layout
+        return "paged"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -118,21 +139,23 @@ class EngineConfig:
 
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             bad(f"device={self.device!r} but CUDA is not available; use device='cpu'")
-        if self.preemption_mode == "swap" and self.kv_cache != "paged":
-            bad("preemption_mode='swap' moves blocks, so it needs kv_cache='paged'")
+        if self.preemption_mode == "swap" and self.kv_layout != "paged":
+            bad("preemption_mode='swap' moves blocks, so it needs a paged KV manager (kv_cache_manager='paged' or a paged factory)")
+        if not self.enforce_eager and not self.fast_path:
+            bad("enforce_eager=False compiles the fast path (fused projections): it needs fast_path=True")
         if self.attention_backend is None:
             self.attention_backend = "sdpa" if self.fast_path else "torch"
         if isinstance(self.attention_backend, str) and self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'sdpa', 'triton', a paged decode "
                 f"function or an AttentionBackend object")
-        if self.attention_backend == "triton" and self.kv_cache != "paged":
-            bad("attention_backend='triton' reads block tables, so it needs kv_cache='paged'")
+        if self.attention_backend == "triton" and self.kv_layout != "paged":
+            bad("attention_backend='triton' reads block tables, so it needs a paged KV manager (kv_cache_manager='paged' or a paged factory)")
         from tinypaged import triton_mode
 
         if self.attention_backend == "triton" and not triton_mode.AVAILABLE:
             bad(f"attention_backend='triton': {triton_mode.WHY_UNAVAILABLE}; use attention_backend='torch'")
-        if self.enable_prefix_caching and self.kv_cache != "paged":
-            bad("enable_prefix_caching shares blocks, so it needs kv_cache='paged'")
+        if self.enable_prefix_caching and self.kv_layout != "paged":
+            bad("enable_prefix_caching shares blocks, so it needs a paged KV manager (kv_cache_manager='paged' or a paged factory)")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             bad(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
@@ -176,9 +199,13 @@ class EngineConfig:
                 raise TypeError(f"{knob} must be True or False{' (or None: the default)' if knob in OPTIONAL else ''}"
                                 f", got {value!r}")
         factory = self.kv_cache_manager
-        if factory is not None and not (callable(factory) and _accepts_arguments(factory, 1)):
-            raise TypeError(f"kv_cache_manager must be a factory called with one KVCacheSpec (a function or a "
-                            f"class whose __init__ takes the spec, e.g. BlockManager.from_spec) or None, "
+        if isinstance(factory, str):
+            if factory not in KV_MANAGERS:
+                raise ValueError(f"kv_cache_manager={factory!r}: use one of {', '.join(map(repr, KV_MANAGERS))}, "
+                                 f"or a factory called with one KVCacheSpec")
+        elif not (callable(factory) and _accepts_arguments(factory, 1)):
+            raise TypeError(f"kv_cache_manager must be 'paged', 'contiguous' or a factory called with one KVCacheSpec "
+                            f"(a function or a class whose __init__ takes the spec, e.g. BlockManager.from_spec), "
                             f"got {factory!r}")
         self._verify_backend_signature()
 
@@ -209,12 +236,13 @@ class EngineConfig:
             if p not in SCHEDULING_POLICIES:
                 raise ValueError(f"scheduling_policy={p!r}: use 'continuous', 'static', a schedule_step-like "
                                  f"function or a policy object with schedule(scheduler)")
-        elif isinstance(p, type) and not callable(getattr(p, "schedule", None)):
-            raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method")
-        elif not callable(getattr(p, "schedule", None)) and not (callable(p) and _accepts_arguments(p, 5)):
+        elif isinstance(p, type) and not _is_policy(p):
+            raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method "
+                            f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
+        elif not _is_policy(p) and not (callable(p) and _accepts_arguments(p, 5)):
             raise TypeError(f"scheduling_policy must be 'continuous', 'static', a schedule_step-like function "
-                            f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler); "
-                            f"got {p!r}")
+                            f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) "
+                            f"or plan(running, waiting, budget, max_num_seqs, kv); got {p!r}")
         static = isinstance(p, str) and p == "static"
         if self.enable_chunked_prefill is None:
             self.enable_chunked_prefill = not static
@@ -225,7 +253,7 @@ class EngineConfig:
 
     @property
     def has_plugins(self) -> bool:
-        return (self.kv_cache_manager is not None or not isinstance(self.scheduling_policy, str)
+        return (not isinstance(self.kv_cache_manager, str) or not isinstance(self.scheduling_policy, str)
                 or not isinstance(self.attention_backend, str))
 
     def finalize(self, model_max_len: int) -> None:
@@ -247,6 +275,11 @@ class EngineConfig:
                 f"max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=True "
                 f"(with scheduling_policy='continuous')."
             )
+
+
+def _is_policy(p) -> bool:
+    """A policy object (or class): one that acts, ``schedule(scheduler)``, or one that plans, ``plan(...)``."""
+    return callable(getattr(p, "schedule", None)) or callable(getattr(p, "plan", None))
 
 
 def _accepts_arguments(fn, n: int) -> bool:

@@ -87,9 +87,12 @@ class SchedulingPolicy(Protocol):
     scheduled sequence is running and appears once; it gets between 1 and its uncomputed tokens;
     the step's tokens fit ``max_num_batched_tokens``; no more than ``max_num_seqs`` sequences run.
 
-    A plain function shaped like ``tinypaged.sched.policies.schedule_step`` also plugs in (the engine
-    wraps it in ``PlanPolicy``): ``step(running, waiting, budget, max_num_seqs, kv)`` gets the
-    scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``) and a ``kv`` with
+    A plan policy decides instead of acting: an object with ``plan(running, waiting, budget,
+    max_num_seqs, kv)`` (``PlanPolicy``, ``CacheAwareOrder``; optional ``waiting_order(scheduler)``)
+    is run by the scheduler through its one adapter (``tinypaged.sched.step_adapter.StepKV``), and
+    is never handed the scheduler. A plain function shaped like
+    ``tinypaged.sched.policies.schedule_step`` also plugs in (the engine wraps it in ``PlanPolicy``):
+    ``step(running, waiting, budget, max_num_seqs, kv)`` gets the scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``) and a ``kv`` with
     ``allocate(req, n) -> bool`` and ``free(req)`` acting on the real queues and cache, and returns
     a plan whose ``scheduled`` lists ``(request, num_tokens)`` and ``preempted`` the requests, both
     as the objects it was given (ids are refused: the n samples of one request share an id).

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
-from tinypaged.config import EngineConfig
+from tinypaged.config import RENAMED, EngineConfig
 from tinypaged.engine.input_processor import check_batch
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.outputs import RequestOutput, StreamOutput
@@ -23,6 +22,9 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs):
+        for old in RENAMED.keys() & kwargs.keys():
+            raise TypeError(f"LLM({old}=...) is gone: its decision is {RENAMED[old]}= now "
+                            f"(e.g. LLM({RENAMED[old]}={kwargs[old]!r}))")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
         self._busy = threading.Lock()
@@ -61,33 +63,9 @@ class LLM:
         return requests
 
     def _steps(self, requests: list):
-        """Step the engine until every one of ``requests`` has finished; yields each StepResult.
-
-        A request aborted by hand since the previous step (``llm_engine.abort_request`` from an
-        ``on_step`` callback or between stream pieces) is reported in the next step's ``finished``,
-        with ``finish_reason="abort"`` and the tokens it had. If the caller stops early (an exception
-        in a callback, KeyboardInterrupt in a notebook, a stream closed before the end), the requests
-        still pending are aborted: their blocks are freed and the next call computes only its own tokens.
-        """
-        engine = self.llm_engine
-        pending = {req.request_id: req for req in requests}
-        try:
-            while pending:
-                step = engine.step()
-                for out in step.finished:
-                    pending.pop(out.request_id, None)
-                aborted = [rid for rid in pending if rid not in engine.requests]  # by hand, since the last step
-                step.finished += [engine.output_processor.request_output(pending.pop(rid)) for rid in aborted]
-                yield step
-                if not step.scheduled:
-                    stuck = sorted(rid for rid in pending if rid in engine.requests)
-                    if stuck and not engine.has_unfinished_requests():
-                        raise RuntimeError(f"requests {stuck} left every queue unfinished (a plug-in "
-                                           f"dropped them?); the engine would wait forever")
-                    _wait_for_next_arrival(engine)
-        finally:
-            if pending:
-                engine.abort_request(list(pending))
+        """The engine's one loop (``LLMEngine.run_until_done``) over ``requests``: each StepResult until
+        every one has finished; closing it early aborts the requests still pending."""
+        return self.llm_engine.run_until_done([req.request_id for req in requests])
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
@@ -191,10 +169,3 @@ def _conversations(messages) -> list[list[dict]]:
 def _reason(seq) -> str | None:
     return None if seq.finish_reason is None else str(seq.finish_reason)
 
-
-def _wait_for_next_arrival(engine: LLMEngine) -> None:
-    waiting = engine.scheduler.waiting
-    if waiting:
-        delay = waiting[0].times.arrival - engine.clock()
-        if delay > 0:
-            time.sleep(min(delay, 0.05))

@@ -66,6 +66,7 @@ class Sequence:
         arrival_time: float = 0.0,
         generator: torch.Generator | None = None,
         extra_keys=None,
+        pending_forks: int = 0,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -78,7 +79,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache hit of the latest admission
         self.extra_keys = extra_keys  # mixed into prefix hashes (vLLM: cache_salt, LoRA id, ...)
-        self.pending_forks = 0  # n > 1 with parallel_sampling="fork": children still to fork
+        self.pending_forks = pending_forks  # n > 1 with parallel_sampling="fork": children still to fork
         self.finish_reason: FinishReason | None = None  # set by the scheduler when it finishes the sequence
         self.stop_reason: int | str | None = None  # vLLM's: the stop token id, the stop string, or None
         self.cumulative_logprob = 0.0

@@ -91,7 +91,7 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
                         f"length_penalty), as vLLM's LLM.beam_search does; got {type(params).__name__}")
     params = params.clone()  # checked again: a field may have been changed since construction
     if not hasattr(kv, "fork"):
-        raise NotImplementedError("beam search shares KV blocks between beams: use kv_cache='paged'")
+        raise NotImplementedError("beam search shares KV blocks between beams: use kv_cache_manager='paged'")
     if engine.has_unfinished_requests():
         raise RuntimeError("beam_search runs on an idle engine: finish the queued requests first")
     prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -126,8 +126,8 @@ def beam_search(engine, prompts, params: BeamSearchParams, early_stopping: bool 
                 _advance(sched, st, rows, params, eos, early_stopping, max_len)
 
     try:
-        while not all(st.done for st in states):
-            if engine.step(select_tokens=select_tokens).preempted:
+        for step in engine.run_until_done(until=lambda: all(st.done for st in states), select_tokens=select_tokens):
+            if step.preempted:
                 raise RuntimeError(
                     f"beam search ran out of KV blocks ({kv.num_blocks} in all): lower beam_width or max_tokens, "
                     f"or give the cache more blocks (num_gpu_blocks_override)")

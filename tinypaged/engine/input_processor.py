@@ -82,7 +82,7 @@ class InputProcessor:
         fork = params.n > 1 and c.parallel_sampling == "fork"
         if fork and not hasattr(self.kv, "fork"):
             raise NotImplementedError(f"Request {request_id}: n={params.n} with parallel_sampling='fork' shares "
-                                      f"KV blocks, which needs a KV manager with fork() (kv_cache='paged'); "
+                                      f"KV blocks, which needs a KV manager with fork() (kv_cache_manager='paged'); "
                                       f"or use parallel_sampling='fanout'")
         if fork and params.n > c.max_num_seqs:
             raise ValueError(f"Request {request_id}: n={params.n} forked samples can never run together under "
@@ -92,8 +92,8 @@ class InputProcessor:
         # fork: one sequence now, n - 1 children at its first sample; fanout (vLLM v1): n independent
         # sequences whose seeds are seed + index, sharing the prompt only through the prefix cache
         for k in range(1 if fork or params.n == 1 else params.n):
-            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt))
-        req.seqs[0].pending_forks = params.n - 1 if fork else 0  # construction: no one holds it yet
+            forks = params.n - 1 if fork and k == 0 else 0
+            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt, forks))
         check_fits(self.kv, req.seqs[0])
         return req
 
@@ -191,3 +191,12 @@ def _arrival_offsets(arrival_times, n: int) -> list[float]:
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"arrival_times[{i}] must be a finite number of seconds >= 0 (from now), got {t!r}")
     return [float(t) for t in times]
+
+
+def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> None:
+    """The server's rule (vLLM's): a request whose max_tokens cannot fit after its prompt is a 400, not a
+    silent cap at the context."""
+    if max_tokens is not None and max_tokens > max_model_len - num_prompt_tokens:
+        raise ValueError(f"max_tokens is too large: {max_tokens}. This model's maximum context length is "
+                         f"{max_model_len} tokens and your request has {num_prompt_tokens} input tokens "
+                         f"({max_tokens} > {max_model_len} - {num_prompt_tokens})")

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 
 import torch
 
 from tinypaged.attention.selector import make_backend
 from tinypaged.config import EngineConfig
 from tinypaged.engine.detokenizer import Detokenizer
+from tinypaged.model.compiled import compile_model
 from tinypaged.model.fused import fuse_projections
 from tinypaged.engine.input_processor import InputProcessor, Request, sample_generator
 from tinypaged.interfaces import POLICY_REQUIRED, require
@@ -60,6 +62,8 @@ class LLMEngine:
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
         if config.fast_path:
             fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
+        if not config.enforce_eager:
+            compile_model(self.model)  # the fast path's dense pieces, compiled on first use (model/compiled.py)
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size
@@ -67,15 +71,17 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         checking = config.has_plugins if config.check_invariants is None else config.check_invariants
         backend = make_backend(config.attention_backend, config.block_size)
-        self.runner = ModelRunner(self.model, self.device, backend, checking)
+        self.runner = ModelRunner(self.model, self.device, backend)
         self.bytes_per_token = self.runner.bytes_per_token
         # the runner sizes and allocates the cache; the KV manager (built-in or a plug-in) manages it
         self.kv_tensors, spec = self.runner.allocate_kv_cache(config, mem_at_start)
         self.kv = build_kv_manager(config, spec, backend)
-        self.runner.attach(self.kv, self.kv_tensors)
+        self.runner.attach(self.kv_tensors, self.kv.block_size)
         policy = make_policy(config)
-        require(policy, POLICY_REQUIRED, "scheduling_policy")
-        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors)
+        if not hasattr(policy, "plan"):  # a plan policy decides; any other acts through schedule(scheduler)
+            require(policy, POLICY_REQUIRED, "scheduling_policy")
+        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors,
+                                   check_invariants=checking)
         self.input_processor = InputProcessor(config, self.vocab_size, self.kv,
                                               lambda text: self.tokenizer.encode(text), self.clock,
                                               lambda: self.eos_token_ids)
@@ -177,12 +183,18 @@ class LLMEngine:
         result = StepResult(self.metrics.counters["num_steps"], out.scheduled, {}, out.preempted, [])
         if not out.scheduled:
             return result
-        logits, sampling = self.runner.execute(out.scheduled)
+        logits, _ = self.runner.execute(out.batch)  # rows of the chunks that sample, in batch order
+        sampling = [item.seq for item, chunk in zip(out.scheduled, out.batch) if chunk.samples]
         sched.advance(out)
         if sampling and select_tokens is not None:
             select_tokens(sampling, logits)
         elif sampling:
-            rows, seqs = self._expand_forks(sampling)
+            rows, seqs = sched.expand_forks(sampling, self._fork_generator)
+            if len(seqs) > len(sampling):  # children just forked: their requests list them
+                parents = {s.seq_id for s in sampling}
+                for child in seqs:
+                    if child.seq_id not in parents:
+                        self.requests[child.request_id].seqs.append(child)
             tokens, logprobs, failures = sample(logits[rows], seqs, self.generator, self.eos_token_ids)
             failed = {seqs[i].request_id: why for i, why in failures.items()}
             if failed:  # those requests fail alone; the rest of the batch carries on
@@ -211,22 +223,36 @@ class LLMEngine:
         self.metrics.record_finished()
         return self.output_processor.request_output(req)
 
-    def _expand_forks(self, sampling):
-        """parallel_sampling="fork" (paper, v0): a request with n > 1 forks at its first sample; the
-        children share the prompt's blocks and sample their first token from the same logits row."""
-        rows, seqs = [], []
-        for i, seq in enumerate(sampling):
-            rows.append(i)
-            seqs.append(seq)
-            if seq.pending_forks:
-                req = self.requests[seq.request_id]
-                for k in range(1, seq.pending_forks + 1):
-                    child = self.scheduler.fork(seq, k, sample_generator(req.params.seed, k))
-                    req.seqs.append(child)
-                    rows.append(i)
-                    seqs.append(child)
-                seq.pending_forks = 0  # no forks to come: the scheduler stops counting them against max_num_seqs
-        return rows, seqs
+    def _fork_generator(self, parent, k: int):
+        """parallel_sampling="fork": child ``k``'s generator, seeded from its request's seed."""
+        return sample_generator(self.requests[parent.request_id].params.seed, k)
+
+    # -- the one loop to completion ------------------------------------------------------------
+    def run_until_done(self, request_ids=(), until=None, select_tokens=None,
+                       wait_until=None) -> Iterator[StepResult]:
+        """The one loop that drives the engine to completion (``LLM.generate`` and its stream, beam
+        search, the lab's replays): step until every request of ``request_ids`` has finished (or until
+        ``until()`` is true), yielding each ``StepResult``. A step that scheduled nothing waits for the
+        next arrival before it is yielded (``wait_until(clock, t)``; default: sleeps of at most 50 ms).
+        A request aborted by hand since the previous step (from the caller, between steps) is reported
+        in the next step's ``finished``, with ``finish_reason="abort"`` and the tokens it had. If the
+        caller stops early (an exception, KeyboardInterrupt, a generator closed), the requests still
+        pending are aborted: their blocks are freed and the next call computes only its own tokens."""
+        pending = {rid: self.requests[rid] for rid in request_ids}
+        done = until if until is not None else (lambda: not pending)
+        try:
+            while not done():
+                step = self.step(select_tokens)
+                for out in step.finished:
+                    pending.pop(out.request_id, None)
+                aborted = [rid for rid in pending if rid not in self.requests]  # by hand, since the last step
+                step.finished += [self.output_processor.request_output(pending.pop(rid)) for rid in aborted]
+                if not step.scheduled and not done():
+                    _wait_for_arrival(self, sorted(pending), wait_until)
+                yield step
+        finally:
+            if pending:
+                self.abort_request(list(pending))
 
     # -- metrics: EngineMetrics owns the counters --------------------------------------------
     @property
@@ -240,3 +266,19 @@ class LLMEngine:
     def get_metrics(self) -> dict:
         """Counters, queue sizes and the KV manager's statistics (computed on demand)."""
         return self.metrics.snapshot(self.scheduler, self.kv)
+
+
+def _wait_for_arrival(engine: LLMEngine, pending: list, wait_until) -> None:
+    """A step ran nothing: wait for the next arrival (``wait_until(clock, t)``, or sleeps of at most 50 ms);
+    with nothing left in any queue, the pending requests were dropped and the engine would wait forever."""
+    if not engine.has_unfinished_requests():
+        raise RuntimeError(f"requests {pending} left every queue unfinished (a plug-in dropped them?); "
+                           f"the engine would wait forever")
+    waiting = engine.scheduler.waiting
+    if not waiting:
+        return
+    arrival = waiting[0].times.arrival
+    if wait_until is not None:
+        wait_until(engine.clock, arrival)
+    elif arrival > engine.clock():
+        time.sleep(min(arrival - engine.clock(), 0.05))

@@ -122,6 +122,7 @@ class ContiguousKVManager:
     """
 
     block_size = 1
+    layout = "contiguous"  # the KV tensors as one arena of token slots (EngineConfig.kv_layout reads it)
 
     def __init__(self, capacity_tokens: int, policy: str, max_model_len: int, allocator=None,
                  reservation=reservation_tokens):
@@ -146,6 +147,7 @@ class ContiguousKVManager:
         def build(spec):
             allocator = allocator_cls(spec.capacity_tokens, spec.reservation_policy, spec.max_model_len)
             return cls(spec.capacity_tokens, spec.reservation_policy, spec.max_model_len, allocator, reservation)
+        build.layout = cls.layout
         return build
 
     @property

@@ -1,7 +1,7 @@
 """Building the KV cache manager, shared by the engine and the lab's model-free simulator.
 
-One place decides which manager a configuration gets (the ``kv_cache_manager`` plug-in, else the
-built-in paged ``BlockManager`` or contiguous ``ContiguousKVManager``) and checks its contract, and one
+One place decides which manager a configuration gets (``kv_cache_manager``: a plug-in's factory, or
+the built-in paged ``BlockManager`` or contiguous ``ContiguousKVManager`` by name) and checks its contract, and one
 place refuses a request that no amount of waiting would let in.
 """
 
@@ -15,8 +15,9 @@ from tinypaged.interfaces import KV_REQUIRED, require
 def build_kv_manager(config, spec, backend=None):
     """The configured KV manager for ``spec`` (a ``KVCacheSpec``), its required methods checked;
     with an attention ``backend`` that reads block tables it must also provide ``block_ids``."""
-    factory = config.kv_cache_manager or (BlockManager.from_spec if config.kv_cache == "paged"
-                                          else ContiguousKVManager.from_spec)
+    factory = config.kv_cache_manager
+    if isinstance(factory, str):  # a built-in one, by name
+        factory = {"paged": BlockManager.from_spec, "contiguous": ContiguousKVManager.from_spec}[factory]
     kv = factory(spec)
     require(kv, KV_REQUIRED, "kv_cache_manager")
     if backend is not None and backend.uses_block_tables:

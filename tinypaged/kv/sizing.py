@@ -79,7 +79,7 @@ def size_kv_cache(c, layout: KVLayout | None = None, on_gpu: bool = False,
     ``layout`` is the model's (needed for a size in bytes); on a GPU with no knob set, ``gpu_budget()`` gives
     the bytes that profiling leaves. A cache of less than one block is refused, naming the knob."""
     knob, name = sizing_knob(c, on_gpu)
-    block_size = c.block_size if c.kv_cache == "paged" else 1
+    block_size = c.block_size if c.kv_layout == "paged" else 1
     if c.kv_cache_tokens is not None or c.num_gpu_blocks_override is not None:
         tokens = c.kv_cache_tokens if c.kv_cache_tokens is not None else c.num_gpu_blocks_override * c.block_size
         num_blocks = tokens // block_size

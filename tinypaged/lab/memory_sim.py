@@ -81,7 +81,7 @@ def _engine(trace, capacity_tokens, kv_cache, policy, block_size, max_model_len)
     from tinypaged.lab.simulator import ModelFreeEngine
 
     num_seqs = max(len(trace), 1)
-    config = EngineConfig(model="(memory replay)", device="cpu", kv_cache=kv_cache, reservation_policy=policy,
+    config = EngineConfig(model="(memory replay)", device="cpu", kv_cache_manager=kv_cache, reservation_policy=policy,
                           block_size=block_size, kv_cache_tokens=capacity_tokens, max_model_len=max_model_len,
                           max_num_seqs=num_seqs, max_num_batched_tokens=max(capacity_tokens, max_model_len, num_seqs),
                           enable_chunked_prefill=False)
@@ -160,7 +160,7 @@ def _slot_map(eng, tokens: dict) -> list[int]:
     """The arena slot by slot: FREE, TOKEN, RESERVED or INTERNAL, from the KV manager's own state."""
     kv = eng.kv
     slots = [FREE] * kv.capacity_tokens
-    if eng.config.kv_cache == "contiguous":  # the regions
+    if eng.config.kv_layout == "contiguous":  # the regions
         for seq_id, (start, size, final) in kv.allocator.regions.items():
             held, final = tokens.get(seq_id, 0), min(final, size)
             for i in range(size):

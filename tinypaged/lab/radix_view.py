@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from tinypaged.kv.block_manager import BlockManager
 from tinypaged.kv.radix_cache import RadixKVManager, node_tokens, tree_nodes
 from tinypaged.sampling_params import SamplingParams
+from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
+from tinypaged.sched.scheduler import Scheduler
 from tinypaged.sequence import Sequence
 
 
@@ -68,27 +70,30 @@ def _block_view(bm: BlockManager) -> list[str]:
 def replay(events, capacity_tokens: int = 64, block_size: int = 4) -> list[Snapshot]:
     radix = RadixKVManager(capacity_tokens, page_size=1)
     blocks = BlockManager(capacity_tokens // block_size, block_size, enable_prefix_caching=True)
+    # each manager's own scheduler writes the sequences' progress (the only writer of Sequence state)
+    scheds = {"radix": Scheduler(None, radix, None), "blocks": Scheduler(None, blocks, None)}
     seqs: dict[tuple[str, str], Sequence] = {}
     snaps = [Snapshot("empty", _tree_view(radix.tree), _block_view(blocks))]
     for kind, name, tokens in events:
         hits = {}
-        for label, kv in (("radix", radix), ("blocks", blocks)):
+        for label, sched in scheds.items():
+            kv = sched.kv
             if kind == "arrive":
                 seq = seqs[(label, name)] = Sequence(name, list(tokens), SamplingParams(max_tokens=len(tokens) + 64))
                 hit = kv.get_computed_blocks(seq)
                 cached = len(hit) * kv.block_size
-                if not kv.allocate_slots(seq, len(seq) - cached, hit):
+                if not sched.allocate(seq, len(seq) - cached, hit):
                     raise ValueError(f"event {name}: the cache of {capacity_tokens} tokens is too small for it")
-                seq.num_computed_tokens = len(seq)
+                sched.advance(SchedulerOutput([ScheduledSeq(seq, len(seq) - cached)]))  # prefilled
                 hits[label] = cached
             elif kind == "finish":
                 seq = seqs.pop((label, name))
                 for i, tok in enumerate(tokens):  # each sampled token but the last is fed back (decoded)
-                    seq.output_token_ids.append(tok)
+                    sched.append_tokens([seq], [tok], [0.0], now=0.0)
                     if i < len(tokens) - 1:
-                        if not kv.allocate_slots(seq, 1):
+                        if not sched.allocate(seq, 1):
                             raise ValueError(f"event {name}: no room to decode")
-                        seq.num_computed_tokens += 1
+                        sched.advance(SchedulerOutput([ScheduledSeq(seq, 1)]))
                 kv.free(seq)
             else:
                 raise ValueError(f"event kind {kind!r}: use 'arrive' or 'finish'")

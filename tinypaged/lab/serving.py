@@ -46,12 +46,12 @@ class System:
 
 
 SYSTEMS = (
-    System("static", "Static (Max)", dict(scheduling_policy="static", kv_cache="contiguous", reservation_policy="max")),
-    System("orca-max", "Orca (Max)", dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="max")),
-    System("orca-pow2", "Orca (Pow2)", dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="pow2")),
+    System("static", "Static (Max)", dict(scheduling_policy="static", kv_cache_manager="contiguous", reservation_policy="max")),
+    System("orca-max", "Orca (Max)", dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="max")),
+    System("orca-pow2", "Orca (Pow2)", dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="pow2")),
     System("orca-oracle", "Orca (Oracle)",
-           dict(scheduling_policy="continuous", kv_cache="contiguous", reservation_policy="oracle")),
-    System("vllm", "vLLM", dict(scheduling_policy="continuous", kv_cache="paged")),
+           dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="oracle")),
+    System("vllm", "vLLM", dict(scheduling_policy="continuous", kv_cache_manager="paged")),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 
@@ -284,12 +284,13 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
     requests: list[RequestRecord] = []
     steps: list[StepRecord] = []
     preemptions = 0
-    arrivals = [base + r.arrival_time for r in pending]
-    i_next = 0
-    while len(requests) < len(pending):
+    run = engine.run_until_done(list(info), wait_until=_wait_until)  # the engine's one loop; waits are spun
+    while True:
         idle = engine.counters["num_idle_slot_steps"]  # static batching: finished members' rows
         t0 = engine.clock()
-        st = engine.step()
+        st = next(run, None)  # one step (a step that ran nothing has waited for the next arrival)
+        if st is None:
+            break
         t1 = engine.clock()
         preemptions += len(st.preempted)
         if st.scheduled:
@@ -304,15 +305,6 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
             m = out.metrics
             requests.append(RequestRecord(out.request_id, r.prompt_len, r.output_len, m.arrival_time - base,
                                           m.first_token_time - base, m.finished_time - base, m.num_preemptions))
-        if not st.scheduled:
-            now = engine.clock()
-            while i_next < len(arrivals) and arrivals[i_next] <= now:
-                i_next += 1
-            if i_next >= len(arrivals):
-                if not engine.has_unfinished_requests():
-                    raise RuntimeError("the engine finished without returning every request")
-                continue
-            _wait_until(engine.clock, arrivals[i_next])
     requests.sort(key=lambda r: r.arrival)
     return ServingRun(system, rate, requests, steps, engine.config.max_num_seqs, preemptions)
 

@@ -64,7 +64,7 @@ class ModelFreeEngine:
                            config.reservation_policy)
         self.kv = build_kv_manager(config, spec)
         self.now = 0.0
-        self.scheduler = Scheduler(config, self.kv, make_policy(config), clock=lambda: self.now)
+        self.scheduler = Scheduler(config, self.kv, make_policy(config), clock=lambda: self.now, runner_batch=False)
         self._stop = lambda seq: check_stop(seq, (), config.max_model_len)  # output lengths are forced: no text
         self._out = None
 

@@ -1,8 +1,10 @@
 """What the scheduler hands the model runner and the engine for one step (vLLM v1: ``sched/output.py``).
 
-The scheduler produces one ``SchedulerOutput`` per step; the runner reads it to build the forward,
-the engine to advance progress, count tokens and report the step. Nobody changes it after
-``Scheduler.schedule`` has checked it (``check_schedule``).
+The scheduler produces one ``SchedulerOutput`` per step. The runner reads only its ``batch``: plain
+data (``ScheduledChunk``: token ids, positions, slots, block ids or context slots, whether the chunk
+samples), never a live ``Sequence`` and never the KV manager. The engine reads ``scheduled`` (the
+sequences, in the same order) to advance progress, sample and report the step. Nobody changes it
+after ``Scheduler.schedule`` has checked it (``check_schedule``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,30 @@ class ScheduledSeq:
         self.is_prefill = not self.seq.is_decoding
 
 
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """What the model runner needs of one scheduled sequence, as data (vLLM v1's ``NewRequestData`` /
+    ``CachedRequestData``): ``token_ids`` run through the model at positions ``start ..
+    start + len(token_ids) - 1``; ``slot_mapping`` says where each one's keys and values go. The
+    context (positions ``0 .. start + len(token_ids) - 1``) lives in ``block_ids`` (a paged manager's
+    blocks, at least that many) or ``context_slots`` (one slot per context position: managers with
+    ``context_slots``, or without ``block_ids``); the runner reads whichever its attention needs.
+    ``samples``: the chunk reaches the sequence's end, so its last row's logits are sampled."""
+
+    seq_id: int
+    token_ids: list
+    start: int
+    slot_mapping: list
+    is_prefill: bool
+    samples: bool
+    block_ids: list | None = None
+    context_slots: object = None  # a list or a 1-D tensor of start + len(token_ids) slots
+
+    @property
+    def context_len(self) -> int:
+        return self.start + len(self.token_ids)
+
+
 @dataclass
 class SchedulerOutput:
     """One step's batch.
@@ -38,12 +64,15 @@ class SchedulerOutput:
     Invariants: a sequence appears in ``scheduled`` at most once; ``num_batched_tokens <=
     max_num_batched_tokens``; ``preempted`` lists the sequences preempted while this step was formed
     (recompute or swap), none of which is in ``scheduled``; ``num_idle_slots`` counts a static
-    batch's members that have finished but still hold a batch slot (0 under continuous batching).
+    batch's members that have finished but still hold a batch slot (0 under continuous batching);
+    ``batch`` is the runner's view of ``scheduled`` (one ``ScheduledChunk`` each, same order), made by
+    the scheduler once the step is checked.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_idle_slots: int = 0
+    batch: list[ScheduledChunk] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -2,8 +2,8 @@
 
 * continuous batching (vLLM v1's iteration-level scheduling): ``schedule_step``, a pure function of
   the running and waiting requests, a token budget and a ``kv`` that allocates and frees. It is the
-  stage-4 exercise's answer, and the engine runs exactly this function (``PlanPolicy`` hands it the
-  scheduler's own requests and the scheduler's ``StepKV``; see ``Scheduler.run_step``). Every step
+  stage-4 exercise's answer, and the engine runs exactly this function (``PlanPolicy.plan``: the
+  scheduler runs it on its own requests through the plan adapter, ``sched/step_adapter.StepKV``). Every step
   is a new batch. Running requests go first (a decode costs one token of the
   ``max_num_batched_tokens`` budget, a prefill chunk its length); waiting requests are admitted in
   arrival order with what is left. When the KV cache runs out, the most recently admitted running
@@ -18,8 +18,11 @@ A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduling_p
 
 from __future__ import annotations
 
+import itertools
+import sys
 from dataclasses import dataclass, field
 
+from tinypaged.interfaces import InvariantError
 from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 
@@ -127,8 +130,8 @@ class BlockCounter:
 
 
 class PlanPolicy:
-    """Continuous batching with a ``schedule_step``-shaped function: each step the scheduler runs it
-    on its own queues, acting as its ``kv`` (``Scheduler.run_step``)."""
+    """Continuous batching with a ``schedule_step``-shaped function: ``plan`` only decides; each step
+    the scheduler runs it on its own requests through the plan adapter (``StepKV``), which applies it."""
 
     def __init__(self, step_fn=schedule_step):
         if not callable(step_fn):
@@ -136,8 +139,8 @@ class PlanPolicy:
                             f"schedule(scheduler); got {type(step_fn).__name__}")
         self.step_fn = step_fn
 
-    def schedule(self, sched) -> SchedulerOutput:
-        return sched.run_step(self.step_fn)
+    def plan(self, running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
+        return self.step_fn(running, waiting, budget, max_num_seqs, kv)
 
 
 # -- static batching ------------------------------------------------------------------------------------
@@ -149,22 +152,16 @@ class StaticBatching:
         self.batch_size = 0
 
     def _form_batch(self, sched) -> None:
-        """Admit arrived requests in arrival order while their sequences (forks to come included) fit
-        ``max_num_seqs``, each only if the memory it could ever need is guaranteed next to the others':
-        a static batch never preempts. ``schedule_step``'s admission rules (first come, first served;
-        stop at the first that does not fit) with a lifetime reservation instead of a token budget: a
-        static batch prefills its members over as many steps as their prompts need."""
-        kv, cfg = sched.kv, sched.config
-        free = round((1.0 - kv.usage) * kv.capacity_tokens)
-        while sched.waiting:
-            seq = sched.waiting[0]
-            if not sched.arrived(seq) or sched.num_running_seqs() + 1 + seq.pending_forks > cfg.max_num_seqs:
-                break
-            need = blocks_needed(kv.max_tokens_needed(seq), kv.block_size) * kv.block_size * (1 + seq.pending_forks)
-            if need > free or not kv.allocate_slots(seq, 0):  # a contiguous manager reserves here
-                break
-            free -= need
-            sched.admit(seq)
+        """Admit arrived requests with ``schedule_step``'s own admission loop (first come, first served;
+        stop at the first that does not fit), nothing running, no token budget, and a ``kv`` that grants
+        a request only when its sequences (forks to come included) fit ``max_num_seqs`` and the memory it
+        could ever need is guaranteed next to the others' (``_Reservations``): a static batch never
+        preempts, and prefills its members over as many steps as their prompts need."""
+        arrived = (_Member(s.request_id, s.num_uncomputed_tokens, 1 + s.pending_forks, s)
+                   for s in itertools.takewhile(sched.arrived, sched.waiting))
+        plan = schedule_step([], arrived, sys.maxsize, sched.config.max_num_seqs, _Reservations(sched))
+        for member, _ in plan.scheduled:
+            sched.admit(member.seq)
         self.batch_size = len(sched.running)
 
     def schedule(self, sched) -> SchedulerOutput:
@@ -184,3 +181,37 @@ class StaticBatching:
             budget -= num_new
         out.num_idle_slots = max(self.batch_size - len(out.scheduled), 0)
         return out
+
+
+@dataclass(eq=False)
+class _Member(PlanRequest):
+    """A waiting sequence as static batching's admission sees it."""
+
+    seq: object = None
+
+
+class _Reservations:
+    """The ``kv`` with which static batching runs ``schedule_step``'s admission: ``allocate`` grants a
+    request only if its sequences fit ``max_num_seqs`` beside those admitted and its lifetime need (its
+    ``max_tokens_needed``, in whole blocks, for each sequence) fits the free memory beside theirs; a
+    contiguous manager reserves it then (``allocate_slots(seq, 0)``)."""
+
+    def __init__(self, sched):
+        kv = sched.kv
+        self.kv, self.max_num_seqs = kv, sched.config.max_num_seqs
+        self.free_tokens = round((1.0 - kv.usage) * kv.capacity_tokens)
+        self.seats = sched.num_running_seqs()
+
+    def allocate(self, req: _Member, n: int) -> bool:
+        kv = self.kv
+        if self.seats + req.num_seqs > self.max_num_seqs:
+            return False
+        need = blocks_needed(kv.max_tokens_needed(req.seq), kv.block_size) * kv.block_size * req.num_seqs
+        if need > self.free_tokens or not kv.allocate_slots(req.seq, 0):  # a contiguous manager reserves here
+            return False
+        self.free_tokens -= need
+        self.seats += req.num_seqs
+        return True
+
+    def free(self, req) -> None:
+        raise InvariantError("static batching never preempts: nothing runs while a batch is formed")

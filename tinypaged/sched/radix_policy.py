@@ -1,10 +1,11 @@
 """Stage 7: cache-aware scheduling, SGLang's ``lpm`` (longest prefix match first) and ``dfs-weight``.
 
 SGLang's policy only *orders* the waiting queue (``managers/schedule_policy.py``, ``calc_priority``);
-admission then runs as usual. Here too: ``CacheAwareOrder`` hands the engine's own continuous step
-(``tinypaged.sched.policies.PlanPolicy``, or any policy given as ``inner``) a view of the scheduler whose
-``waiting`` is reordered, and changes nothing else. Admission, the token budget, preemption and the
-checks are the inner policy's.
+admission then runs as usual. Here too: ``CacheAwareOrder`` gives the scheduler the order in which
+the engine's own continuous step (``tinypaged.sched.policies.PlanPolicy``, or any plan policy given as
+``inner``) reads the waiting queue (``waiting_order``), and changes nothing else; an inner policy object
+with ``schedule(scheduler)`` gets a view of the scheduler whose ``waiting`` is reordered. Admission, the
+token budget, preemption and the checks are the inner policy's.
 
 * ``"lpm"`` (SGLang paper and today): arrived requests with the longest cached prefix go first (ties
   keep arrival order): ``lpm_order``, stage 7's assignment (part b) line for line. Works with any KV manager's
@@ -40,13 +41,6 @@ class _ReorderedView:
     def __getattr__(self, name):
         return getattr(self._sched, name)
 
-    def run_step(self, step_fn):
-        """The scheduler's own ``run_step`` would read its real queue: run the step over this view (its
-        actions, ``admit`` among them, are still the scheduler's)."""
-        from tinypaged.sched.scheduler import StepKV
-
-        return StepKV(self).run(step_fn)
-
 
 class CacheAwareOrder:
     """A ``SchedulingPolicy``: ``LLM(scheduling_policy=CacheAwareOrder("lpm"))``."""
@@ -64,19 +58,26 @@ class CacheAwareOrder:
         self.order, self.fcfs_above, self.inner = order, fcfs_above, inner
         self.num_reordered = 0  # steps whose admission order differed from arrival order
 
-    def schedule(self, sched):
+    @property
+    def plan(self):
+        """The inner policy's plan (an ``AttributeError`` when it has none: the scheduler then calls
+        ``schedule``)."""
+        return self.inner.plan
+
+    def waiting_order(self, sched):
+        """The waiting queue in admission order: arrived requests ranked, then those still to arrive."""
         queue = list(sched.waiting)
         arrived = [s for s in queue if sched.arrived(s)]
-        later = [s for s in queue if not sched.arrived(s)]
-        # over the cut-off, straight to the scheduler's own queue, before any tree match (``lpm_order`` keeps
-        # arrival order there too; a learner's order is never asked)
-        too_many = self.order != "dfs-weight" and len(arrived) > self.fcfs_above
-        if self.order == "fcfs" or too_many or len(arrived) < 2:
-            return self.inner.schedule(sched)
-        ordered = self.rank(sched, arrived)
+        if self.order == "fcfs" or len(arrived) < 2:
+            return sched.waiting
+        ordered = self.rank(sched, arrived)  # over fcfs_above, lpm_order keeps arrival order
         if [s.seq_id for s in ordered] != [s.seq_id for s in arrived]:
             self.num_reordered += 1
-        return self.inner.schedule(_ReorderedView(sched, deque(ordered + later)))
+        return deque(ordered + [s for s in queue if not sched.arrived(s)])
+
+    def schedule(self, sched):
+        """For an inner policy object: it reads the reordered queue through a view of the scheduler."""
+        return self.inner.schedule(_ReorderedView(sched, self.waiting_order(sched)))
 
     def rank(self, sched, arrived: list) -> list:
         cached = lambda s: sched.hit_tokens(sched.prefix_hit(s))  # noqa: E731

@@ -1,9 +1,10 @@
 """The model runner owns the device: the KV tensors, memory profiling, and one forward per step.
 
-Per step it flattens the scheduled tokens, asks the KV manager where each new token's keys and
-values go (``slot_mapping``) and where every sequence's context lives (block tables or context
-slots), builds the attention context, runs the model and returns the logits of the sequences that
-sample. ``check_slots`` enforces the KV manager's contract before anything is written.
+Per step it reads the scheduler's batch (``SchedulerOutput.batch``: ``ScheduledChunk`` data, no live
+``Sequence``), flattens the token ids and positions, builds the attention context from the slots and
+block ids the scheduler put there, runs the model and returns the logits of the chunks that sample.
+It never calls the KV manager. ``check_slots`` enforces the cheap half of the KV manager's contract
+before anything is written (the scheduler's ``check_no_overwrite`` the other).
 """
 
 from __future__ import annotations
@@ -34,81 +35,87 @@ def memory_snapshot(device) -> tuple[int, int, int, int] | None:
 
 
 class ModelRunner:
-    def __init__(self, model, device, backend, check_invariants: bool = False):
+    def __init__(self, model, device, backend):
         self.model = model
         self.device = device
         self.backend = backend
-        self.check_invariants = check_invariants  # the costlier cross-sequence check (on for plug-ins)
-        self.kv = self.tensors = None
-        self.capacity = 0
+        self.tensors = None
+        self.capacity = self.block_size = 0
         hf = model.config
         self.dtype = next(model.parameters()).dtype
         self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
         self.bytes_per_token = kv_bytes_per_token(*self.kv_shape, self.dtype)
 
-    def attach(self, kv_manager, kv_tensors) -> None:
-        """The KV cache, once it is sized (profiling runs before it exists)."""
-        self.kv, self.tensors, self.capacity = kv_manager, kv_tensors, kv_tensors.num_slots
+    def attach(self, kv_tensors, block_size: int) -> None:
+        """The KV cache, once it is sized (profiling runs before it exists), and its block size."""
+        self.tensors, self.capacity, self.block_size = kv_tensors, kv_tensors.num_slots, block_size
 
-    # -- where the context lives -----------------------------------------------------------
-    def block_tables(self, seqs, context_len: int) -> torch.Tensor:
-        width = max(1, blocks_needed(context_len, self.kv.block_size))
+    # -- where the context lives (from the batch's data) -------------------------------------
+    def block_tables(self, chunks, context_len: int) -> torch.Tensor:
+        width = max(1, blocks_needed(context_len, self.block_size))
         rows = []
-        for s in seqs:
-            ids = self.kv.block_ids(s)[:width]
+        for c in chunks:
+            if c.block_ids is None:
+                raise InvariantError(f"attention backend {self.backend.name!r} reads block tables, but the KV "
+                                     f"manager has no block_ids (sequence {c.seq_id})")
+            ids = c.block_ids[:width]
             rows.append(ids + [0] * (width - len(ids)))
         return torch.tensor(rows, dtype=torch.int32, device=self.device)
 
-    def context_slots(self, seqs, context_len: int) -> torch.Tensor:
-        """[len(seqs), context_len] slot of every key position (the manager's fast path if it has one)."""
-        if hasattr(self.kv, "context_slots"):
-            return self.kv.context_slots(seqs, context_len).to(self.device)
-        if hasattr(self.kv, "block_ids"):
-            return paged_context_slots(self.block_tables(seqs, context_len), context_len, self.kv.block_size)
-        rows = [self.kv.slot_mapping(s, 0, context_len) for s in seqs]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
+    def context_slots(self, chunks, context_len: int) -> torch.Tensor:
+        """[len(chunks), context_len] slot of every key position: the chunks' own context slots (padded
+        with slot 0 past each one's context, which attention masks), or their block tables'."""
+        if any(c.context_slots is None for c in chunks):
+            return paged_context_slots(self.block_tables(chunks, context_len), context_len, self.block_size)
+        rows = torch.zeros(len(chunks), context_len, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            row = torch.as_tensor(c.context_slots, dtype=torch.long)[:context_len]
+            rows[i, :len(row)] = row
+        return rows.to(self.device)
 
     # -- one step ----------------------------------------------------------------------------
-    def prepare(self, scheduled):
+    def prepare(self, batch):
+        """Tensors for one forward of ``batch`` (``ScheduledChunk``s); also returns the rows whose logits
+        are sampled and their chunks."""
         input_ids, positions, slots = [], [], []
-        decode_rows, decode_seqs, prefills = [], [], []
+        decode_rows, decodes, prefills = [], [], []
         logits_rows, sampling = [], []
-        for item in scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
+        for chunk in batch:
+            n, start = len(chunk.token_ids), chunk.start
             row0 = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
+            input_ids.extend(chunk.token_ids)
             positions.extend(range(start, start + n))
-            slots.extend(self.kv.slot_mapping(seq, start, start + n))
-            if not item.is_prefill:
+            slots.extend(chunk.slot_mapping)
+            if not chunk.is_prefill:
                 decode_rows.append(row0)
-                decode_seqs.append(seq)
+                decodes.append(chunk)
             else:
-                prefills.append((row0, row0 + n, seq, start))
-            if start + n == len(seq):  # the chunk reaches the end: this sequence samples now
+                prefills.append((row0, row0 + n, chunk))
+            if chunk.samples:  # the chunk reaches the end: this sequence samples now
                 logits_rows.append(row0 + n - 1)
-                sampling.append(seq)
+                sampling.append(chunk)
         dev = self.device
         ctx = ForwardContext(self.tensors.keys, self.tensors.values,
                              torch.tensor(slots, dtype=torch.long, device=dev), self.backend)
-        if decode_seqs:
-            lens = [s.num_computed_tokens + 1 for s in decode_seqs]
+        if decodes:
+            lens = [c.context_len for c in decodes]
             ctx.decode = DecodeBatch(torch.tensor(decode_rows, device=dev), torch.tensor(lens, device=dev),
-                                     self.kv.block_size)
+                                     self.block_size)
             if self.backend.uses_block_tables:
-                ctx.decode.block_tables = self.block_tables(decode_seqs, max(lens))
+                ctx.decode.block_tables = self.block_tables(decodes, max(lens))
             else:
-                ctx.decode.context_slots = self.context_slots(decode_seqs, max(lens))
-        for row0, row1, seq, start in prefills:
-            ctx.prefills.append((row0, row1, self.context_slots([seq], start + row1 - row0)[0], start))
-        self.check_slots(ctx, scheduled)
+                ctx.decode.context_slots = self.context_slots(decodes, max(lens))
+        for row0, row1, chunk in prefills:
+            ctx.prefills.append((row0, row1, self.context_slots([chunk], chunk.context_len)[0], chunk.start))
+        self.check_slots(ctx)
         ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return ids, pos, ctx, logits_rows, sampling
 
-    def check_slots(self, ctx: ForwardContext, scheduled) -> None:
+    def check_slots(self, ctx: ForwardContext) -> None:
         """The KV manager's contract, checked before the forward writes anything: every new token gets
-        its own slot inside the cache, and (for plug-ins) no slot another sequence has cached."""
+        its own slot inside the cache (the scheduler's ``check_no_overwrite`` checks, for plug-ins, that
+        no slot another sequence has cached is written)."""
         writes = ctx.slot_mapping
         if writes.numel() == 0:
             return
@@ -118,21 +125,11 @@ class ModelRunner:
         if torch.unique(writes).numel() != writes.numel():
             raise InvariantError("the KV manager gave two new tokens of this step the same slot "
                                  "(a block handed out twice?)")
-        if not self.check_invariants:
-            return
-        readers = [it.seq for it in scheduled if it.seq.num_computed_tokens]
-        cached = [self.context_slots([s], s.num_computed_tokens)[0].to(writes.device) for s in readers]
-        if cached:
-            cached = torch.cat(cached)
-            clash = torch.isin(writes, cached)
-            if bool(clash.any()) and not _same_step_sharing(writes, cached, scheduled, readers):
-                raise InvariantError(f"this step would overwrite slot {int(writes[clash][0])}, which holds "
-                                     f"another token's cached keys (a block handed out twice, or a shared "
-                                     f"block written without copy-on-write)")
 
-    def execute(self, scheduled):
-        """Forward the scheduled tokens; returns (logits of sampling sequences [N, vocab], those sequences)."""
-        ids, pos, ctx, rows, sampling = self.prepare(scheduled)
+    def execute(self, batch):
+        """Forward ``batch`` (``SchedulerOutput.batch``); returns (logits of the sampling chunks [N, vocab],
+        those chunks)."""
+        ids, pos, ctx, rows, sampling = self.prepare(batch)
         logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))
         return (logits, sampling) if rows else (None, [])
 
@@ -184,7 +181,7 @@ class ModelRunner:
         size = size_kv_cache(c, self.kv_layout, self.device.type == "cuda",
                              lambda: self.profile_free_gpu_bytes(c, mem_at_start))
         num_blocks, block_size = size.num_blocks, size.block_size
-        paged = c.kv_cache == "paged"
+        paged = c.kv_layout == "paged"
         cpu_blocks = 0
         if c.preemption_mode == "swap":
             cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
@@ -209,24 +206,21 @@ class ModelRunner:
     def profile_peak_bytes(self, max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> int:
         """Peak memory torch holds during one forward of ``max_num_batched_tokens`` tokens (prompts of at
         most ``max_model_len``), the scratch KV cache excluded: vLLM's profiling run. It goes
-        through ``prepare`` with a throw-away contiguous cache, like any step."""
-        from tinypaged.kv.contiguous import ContiguousKVManager
-        from tinypaged.sampling_params import SamplingParams
-        from tinypaged.sched.output import ScheduledSeq
-        from tinypaged.sequence import Sequence
+        through ``prepare`` with a throw-away cache, like any step: each prompt's slots side by side
+        (one spare slot after each, as a contiguous "oracle" reservation)."""
+        from tinypaged.sched.output import ScheduledChunk
 
         n = max_num_batched_tokens
         sizes = [min(max_model_len, n - start) for start in range(0, n, max_model_len)]  # prompts <= max_model_len
-        slots = n + len(sizes)  # "oracle" reserves prompt + 1 token each
+        slots = n + len(sizes)
         scratch = KVCacheTensors(self.kv_shape[0], slots, *self.kv_shape[1:], self.dtype, self.device)
-        kv = ContiguousKVManager(slots, "oracle", max_model_len)
-        batch = []
-        for size in sizes:
-            seq = Sequence("profile", [0] * size, SamplingParams(max_tokens=1))
-            kv.allocate_slots(seq, size)
-            batch.append(ScheduledSeq(seq, size))
-        saved = self.kv, self.tensors, self.capacity, self.check_invariants
-        self.kv, self.tensors, self.capacity, self.check_invariants = kv, scratch, slots, False
+        batch, base = [], 0
+        for i, size in enumerate(sizes):
+            where = list(range(base, base + size))
+            batch.append(ScheduledChunk(-1 - i, [0] * size, 0, where, True, True, context_slots=where))
+            base += size + 1
+        saved = self.tensors, self.capacity
+        self.tensors, self.capacity = scratch, slots
         try:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -235,7 +229,7 @@ class ModelRunner:
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated() - scratch.keys.numel() * 2 * scratch.keys.element_size()
         finally:
-            self.kv, self.tensors, self.capacity, self.check_invariants = saved
+            self.tensors, self.capacity = saved
             del scratch
             torch.cuda.empty_cache()
         return peak
@@ -259,23 +253,3 @@ def available_host_bytes() -> int | None:
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
-
-def _same_step_sharing(writes, cached, scheduled, readers) -> bool:
-    """Whether every written slot that some sequence counts as cached is a prefix shared within this step:
-    the writer writes the very token, at the very position, that the reader expects there (prefix caching
-    hands a request the pages another one is prefilling now). That is sound because each layer writes all
-    of the step's keys before any query reads them."""
-    w_tok, w_pos = [], []
-    for it in scheduled:
-        start = it.seq.num_computed_tokens
-        w_tok += it.seq.token_ids[start:start + it.num_tokens]
-        w_pos += range(start, start + it.num_tokens)
-    r_tok = [t for s in readers for t in s.token_ids[: s.num_computed_tokens]]
-    r_pos = [p for s in readers for p in range(s.num_computed_tokens)]
-    dev = writes.device
-    w_tok, w_pos = torch.tensor(w_tok, device=dev), torch.tensor(w_pos, device=dev)
-    r_tok, r_pos = torch.tensor(r_tok, device=dev), torch.tensor(r_pos, device=dev)
-    hit = torch.isin(cached, writes)
-    order = torch.argsort(writes)
-    idx = order[torch.searchsorted(writes[order], cached[hit])]
-    return bool(((w_tok[idx] == r_tok[hit]) & (w_pos[idx] == r_pos[hit])).all())
