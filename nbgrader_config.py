@@ -11,10 +11,13 @@ import os
 from pathlib import Path
 
 from nbconvert.preprocessors import ClearMetadataPreprocessor
-from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, IgnorePattern, LimitOutput,
+from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor
+from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, ClearHiddenTests, ClearOutput,
+                                    DeduplicateIds, GetGrades, IgnorePattern, LimitOutput, OverwriteKernelspec,
                                     SaveAutoGrades)
 
-from tinypaged.course.grading.nbgrader_verify import RecordFindings, SandboxedExecute, VerifyChecks
+from tinypaged.course.grading.nbgrader_verify import (CompareGivenCells, RecordFindings, SandboxedExecute,
+                                                      VerifyChecks)
 
 HERE = Path(__file__).resolve().parent
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
@@ -32,6 +35,11 @@ c.ClearSolutions.text_stub = "YOUR ANSWER HERE"
 # bubblewrap for the learner's feedback (limits in CPU seconds, so a loaded machine fails nothing), and
 # VerifyChecks grades it from the learner's code alone, in a sandboxed checks' process
 # (tinypaged/course/grading/). Without bwrap both refuse and the submission is flagged, with the reason.
+# Locked and test cells are put back from the source as nbgrader does, but compared with the cells the learner was
+# given (hidden tests removed): an edited, deleted or re-pointed test cell is a finding (FLAGGED) naming the cell,
+# and an honest notebook gets no "checksum has changed" warning (nbgrader's checksum includes the hidden tests).
+c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKernelspec, CompareGivenCells,
+                                      CheckCellMetadata]
 c.SandboxedExecute.cpu_timeout = 300
 c.SandboxedExecute.timeout = 600
 c.VerifyChecks.cpu_timeout = 300
@@ -46,5 +54,8 @@ c.Autograde.autograde_preprocessors = [
     AssignLatePenalties,
     CheckCellMetadata,
 ]
+# `nbgrader generate_feedback`: the learner never sees the hidden tests' code (their seeds); the verdicts in the
+# test cells name a failing hidden case by its number, with the visible hint only (tinypaged.course.grading.verify).
+c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
 # `nbgrader export`: automatic and written points apart, a status and the findings line per submission.
 c.ExportApp.plugin_class = "tinypaged.course.grading.nbgrader_verify.TinypagedCsvExport"

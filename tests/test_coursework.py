@@ -248,11 +248,10 @@ def test_verifier_zeroes_reuse_runtime_reuse_refusals_and_everything_after_tampe
     assert rep["score"] == 0 and "reference implementation tinypaged.kv.contiguous.first_fit" in rep["tests"][0]["message"]
     rep = graded("import tinypaged.course.checks as c\nc.evaluate = None\ndef first_fit(h, s): ...", evidence())
     assert rep["score"] == 0 and "grader" in rep["tests"][0]["message"]
-    ev = evidence()
+    ev = evidence()  # a claim of the sandbox beside the steps is not evidence (tests/test_sealed_judge.py)
     ev["records"]["test_ff/0"]["reuse"] = "first_fit calls the package's own first_fit"
     rep = graded("def first_fit(h, s): ...", ev)
-    assert 0 < rep["tests"][0]["score"] < 2  # the hidden part still counts
-    assert coursework.status(rep) == "FLAGGED" and "at run time" in coursework.summary(rep)  # on its line
+    assert rep["tests"][0]["score"] == 2 and coursework.status(rep) == "PASS"
     ev = evidence(refused=["test_ff/1: cell_001_learner, line 2: sys._getframe()"])
     row = graded("def first_fit(h, s): ...", ev)["tests"][0]
     assert 0 < row["score"] < 2 and "refused" in row["message"]
@@ -264,14 +263,17 @@ def test_verdicts_are_written_in_nbgraders_language():
     ran["cells"][2]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": "your engine: ...\n"},
                                   {"output_type": "execute_result", "data": {"text/plain": "2"}, "metadata": {}}]
     out = apply_to_notebook(ran, rep, SOURCE_FF)["cells"][2]["outputs"]
-    assert out[0]["text"] == "your engine: ...\n"  # kept as feedback
-    assert [o["output_type"] for o in out[1:]] == ["stream", "execute_result"]  # the verdict, not the kernel's claim
+    # the verdict, not the kernel's claim; what it printed is dropped here (a cell with hidden cases: their
+    # answers could show), kept in a cell without (tests/test_sealed_judge.py)
+    assert [o["output_type"] for o in out] == ["stream", "execute_result"] and "your engine" not in out[0]["text"]
     assert 0 < float(out[-1]["data"]["text/plain"]) < 2
     full = graded("def first_fit(h, s): ...", evidence())
-    logged = copy.deepcopy(SOURCE_FF)  # the engine's INFO line goes to stderr, which nbgrader scores as a failure
+    visible = copy.deepcopy(SOURCE_FF)  # a test cell without hidden cases (a serving check's)
+    visible["cells"][2]["source"] = 'check("first_fit", first_fit)'
+    logged = copy.deepcopy(visible)  # the engine's INFO line goes to stderr, which nbgrader scores as a failure
     logged["cells"][2]["outputs"] = [{"output_type": "stream", "name": "stderr", "text": "INFO tinypaged: ...\n"}]
-    cell = apply_to_notebook(logged, full, SOURCE_FF)["cells"][2]
-    assert cell["outputs"][0]["text"] == "INFO tinypaged: ...\n"  # still shown
+    cell = apply_to_notebook(logged, full, visible)["cells"][2]
+    assert cell["outputs"][0]["text"] == "INFO tinypaged: ...\n" and cell["outputs"][0]["name"] == "stdout"
     from nbformat import from_dict
     from nbgrader.utils import determine_grade
     assert determine_grade(from_dict(cell))[0] == full["tests"][0]["points"]

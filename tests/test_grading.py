@@ -1,4 +1,4 @@
-"""The quick grader on honest work, run for real (sandboxed feedback run included): the stage 2 and 3
+"""The quick grader on honest work, run for real (sandboxed feedback run included): the stage 2, 3 and 8
 solutions get full marks, their untouched exercises none, with one CSV line per submission and HTML
 feedback; a file that is not a notebook is an error; without bubblewrap grading refuses unless told
 --unsafe-no-sandbox, which warns. The attacks are in tests/test_hostile_submissions.py."""
@@ -16,7 +16,7 @@ import pytest
 from tinypaged.course import coursework
 
 ROOT = coursework.ROOT
-STAGES = ("02_block_table", "03_prefix_sharing")  # small stages: the others are graded the same way
+STAGES = ("02_block_table", "03_prefix_sharing", "08_serve_over_http")  # small stages (08: a live server)
 
 
 def grade(paths, *args, env=None):
@@ -45,7 +45,7 @@ def test_solutions_full_marks_exercises_none_with_feedback(tmp_path):
     assert [r["notebook"] for r in rows] == [str(p) for p in sols + exs]  # one line per submission
     first = rows[0]
     assert (first["status"], first["auto_score"], first["auto_max"], first["written_max"]) == ("PASS", "12", "12", "4")
-    assert rows[2]["status"] == "FAIL"
+    assert rows[len(sols)]["status"] == "FAIL"
     html = (tmp_path / "fb" / "solutions-02_block_table.html").read_text()
     assert "your engine :" in html and "transformers:" in html and "calls through your code:" in html  # the payoff
     assert "test_serve: 2/2 PASS" in html and "hidden=" not in html

@@ -104,8 +104,8 @@ def test_code_attacks_gain_nothing_and_honest_work_keeps_full_marks(tmp_path):
     rows = {Path(r["notebook"]).parent.name: r for r in csv.DictReader(open(tmp_path / "grades.csv"))}
     assert len(rows) == len(specs("code"))  # one line per submission
     assert rows["honest_solution_renamed"]["status"] == "PASS" and rows["untouched"]["status"] == "FAIL"
-    assert rows["reuse_hidden_from_scan"]["status"] == "FLAGGED"
-    assert "reuse" in rows["reuse_hidden_from_scan"]["findings"]
+    # the reference is not in the sandbox: reusing it fails like any wrong answer, with nothing to flag
+    assert rows["reuse_hidden_from_scan"]["status"] == "FAIL"
     assert "killed" in rows["hang_in_check"]["findings"] and "gather_kv" in rows["hang_in_check"]["findings"]
     assert rows["honest_solution_renamed"]["written_max"] == "4" and rows["honest_solution_renamed"]["auto_max"] == "12"
     assert digest(WATCHED) == before
@@ -212,8 +212,9 @@ def test_the_sandbox_hides_the_answers_and_allows_writes_only_to_its_scratch(tmp
         "|| echo no-network",
         "id -u",
     ])
-    out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
-                         cwd=scratch).stdout.split()
+    with box:
+        out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
+                             cwd=scratch).stdout.split()
     assert out[:7] == ["0", "no-submissions", "no-package-write", "no-home-write", "no-outside-write",
                        "scratch-write", "no-network"], out
     if os.geteuid() == 0:
@@ -222,8 +223,8 @@ def test_the_sandbox_hides_the_answers_and_allows_writes_only_to_its_scratch(tmp
 
 
 def test_an_environment_under_tmp_is_readable_inside_and_nothing_else_there(tmp_path, monkeypatch):
-    """A checkout or environment under /tmp (a clone in /tmp, say) is bound back under the sandbox's empty /tmp;
-    its neighbours stay hidden."""
+    """A Python environment under /tmp (a clone in /tmp, say) is bound in, read-only, over the sandbox's empty /tmp;
+    its neighbours are not there."""
     from tinypaged.course.grading import sandbox
 
     env, other, scratch = tmp_path / "env", tmp_path / "other", tmp_path / "scratch"
@@ -231,10 +232,11 @@ def test_an_environment_under_tmp_is_readable_inside_and_nothing_else_there(tmp_
         d.mkdir()
     (env / "marker").write_text("env-visible\n")
     (other / "marker").write_text("other-visible\n")
-    real = sandbox._readable_paths
-    monkeypatch.setattr(sandbox, "_readable_paths", lambda: real() + [env])
+    real = sandbox._python_paths
+    monkeypatch.setattr(sandbox, "_python_paths", lambda: real() + [env])
     box = coursework.sandbox_factory(coursework.hidden_paths())(scratch)
     script = f"cat {env}/marker; cat {other}/marker 2>/dev/null || echo other-hidden; touch {env}/x 2>/dev/null || echo ro"
-    out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
-                         cwd=scratch).stdout.split()
+    with box:
+        out = subprocess.run(box.command(["bash", "-c", script]), capture_output=True, text=True, timeout=60,
+                             cwd=scratch).stdout.split()
     assert out == ["env-visible", "other-hidden", "ro"], out

@@ -4,7 +4,7 @@
     python -m tinypaged.course check             # fail if exercises/ drifted from solutions/
     python -m tinypaged.course lint              # check the solution notebooks' nbgrader metadata
     python -m tinypaged.course release           # the nbgrader course: source/ and release/ under course/
-    python -m tinypaged.course grade NB... [--json] [--csv FILE] [--feedback DIR] [--unsafe-no-sandbox]
+    python -m tinypaged.course grade NB... [--out DIR] [--json] [--csv FILE] [--feedback DIR] [--unsafe-no-sandbox]
     python -m tinypaged.course student-edition OUT [ASSIGNMENT ...]   # the package with the graded bodies stubbed
 
 ``solutions/NN_name.ipynb`` are nbgrader source notebooks (conventions in ``docs/INSTRUCTORS.md`` and
@@ -17,7 +17,11 @@ scratch course and copies the released notebook to ``exercises/``: solution regi
 (the learner's code extracted by the instructor's ``grade_id`` and checked in a sandboxed process, the
 verdicts judged here), then run in a sandboxed kernel for the learner's feedback. It refuses to run
 without bubblewrap unless told ``--unsafe-no-sandbox``. Exit status 0 only if every notebook gets every
-automatic point (2: no sandbox).
+automatic point (2: no sandbox, or an output path refused).
+
+Outputs (``--out DIR``: ``DIR/grades.csv`` and ``DIR/feedback/``; or ``--csv``/``--feedback``) must lie outside
+every submission's folder and outside the repository (:func:`output_problem`): they are created private (0700)
+and hidden from every sandbox, so no learner's code reads another's grade or feedback.
 """
 
 from __future__ import annotations
@@ -210,6 +214,27 @@ def hidden_paths(submissions: list[Path] = ()) -> list[Path]:
     return [p.resolve() for p in paths]
 
 
+def output_problem(flag: str, path: Path, submissions: list[Path]) -> str | None:
+    """Why grading must not write ``path`` (given as ``flag``), or None: inside a submission's folder (the next
+    learner's run, or that learner's, could read it) or inside the repository (the package's checkout)."""
+    real = Path(path).resolve()
+    for sub in submissions:
+        folder = Path(sub).resolve().parent
+        if real == folder or folder in real.parents:
+            return f"{flag} {path} is inside the folder of the submission {sub}: write grading outputs elsewhere"
+    if real == ROOT or ROOT in real.parents:
+        return (f"{flag} {path} is inside the repository ({ROOT}): write grading outputs outside it "
+                f"(e.g. --out ../graded)")
+    return None
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` created (with its parents) and made readable by its owner only."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+    return Path(path)
+
+
 def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1800, memory_gb: float = 8.0):
     """``scratch -> Sandbox``: the recipe every sandboxed run of one submission uses."""
     from tinypaged.course.grading.sandbox import Sandbox
@@ -331,7 +356,7 @@ CSV_FIELDS = ["notebook", "stage", "auto_score", "auto_max", "written_max", "sta
 def write_csv(reports: list[dict], path: Path) -> None:
     """One row per submission: automatic points apart from the written ones (graded by hand), a status
     (PASS, FAIL, FLAGGED when something was found, ERROR when grading failed) and every finding on the row."""
-    with open(path, "w", newline="") as f:
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", newline="") as f:  # the owner's
         w = csv.writer(f)
         w.writerow(CSV_FIELDS)
         for r in reports:
@@ -367,6 +392,8 @@ def main(argv=None) -> int:
     se.add_argument("assignments", nargs="*", help="assignment names (default: every solution notebook)")
     g = sub.add_parser("grade", help="run and score submitted notebooks, each in its own kernel")
     g.add_argument("notebooks", nargs="+", type=Path)
+    g.add_argument("--out", type=Path, help="write grades.csv and feedback/ into this folder (private, 0700; outside "
+                   "the submissions' folders and the repository)")
     g.add_argument("--json", action="store_true", help="print the reports as JSON")
     g.add_argument("--csv", type=Path, help="also write one row per submission to this CSV file")
     g.add_argument("--feedback", type=Path, help="write each learner's notebook as HTML feedback into this folder")
@@ -442,11 +469,26 @@ def main(argv=None) -> int:
               "--unsafe-no-sandbox grades without one.", file=sys.stderr)
         return 2
 
+    if args.out is not None:
+        args.csv = args.csv or args.out / "grades.csv"
+        args.feedback = args.feedback or args.out / "feedback"
+    outputs = [(flag, p) for flag, p in (("--out", args.out), ("--csv", args.csv), ("--feedback", args.feedback))
+               if p is not None]
+    for flag, p in outputs:
+        problem = output_problem(flag, p, args.notebooks)
+        if problem:
+            print(f"refusing to grade: {problem}", file=sys.stderr)
+            return 2
+    for folder in {args.out, args.feedback} - {None}:
+        private_dir(folder)
+    if args.csv is not None:
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+    hide = [*hidden_paths(args.notebooks), *(p for _, p in outputs)]
+
     def one(nb):
         return grade_notebook(nb, args.solutions, unsafe=args.unsafe_no_sandbox, execute=not args.no_execute,
                               feedback=args.feedback, cell_timeout=args.timeout, cpu_timeout=args.cpu_timeout,
-                              notebook_timeout=args.notebook_timeout, idle=args.idle,
-                              hide=hidden_paths(args.notebooks))
+                              notebook_timeout=args.notebook_timeout, idle=args.idle, hide=hide)
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own sandboxed processes
         reports = list(pool.map(one, args.notebooks))

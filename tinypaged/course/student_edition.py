@@ -180,6 +180,18 @@ def _forward(args: ast.arguments) -> str:
     return ", ".join(out)
 
 
+def _yields(fn) -> bool:
+    """Whether ``fn`` itself (not a function nested in it) yields: a generator."""
+    todo = list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Yield, ast.YieldFrom)):
+            return True
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+    return False
+
+
 def stub_file(text: str, stubs: list[tuple[str, str, str]]) -> str:
     """Replace the body of each (dotted function name, assignment, part) in ``text`` by a call to the learner's
     definition (:func:`tinypaged.course.handin.learner`), keeping its signature, decorators and docstring. Bodies
@@ -211,6 +223,12 @@ def stub_file(text: str, stubs: list[tuple[str, str, str]]) -> str:
         indent = " " * (first.col_offset if first is not None else body[0].col_offset)
         call = (f"{indent}from tinypaged.course.handin import learner  # student edition: your code runs here\n"
                 f"{indent}return learner({assignment!r}, {part!r})({_forward(fn.args)})\n")
+        if isinstance(fn, ast.AsyncFunctionDef) and _yields(fn):  # an async generator stays one (stage 8's stream)
+            call = (f"{indent}from tinypaged.course.handin import learner  # student edition: your code runs here\n"
+                    f"{indent}stream = learner({assignment!r}, {part!r})({_forward(fn.args)})\n"
+                    f"{indent}try:\n{indent}    async for item in stream:\n{indent}        yield item\n"
+                    f"{indent}finally:  # closed early (a client hung up): close theirs at once, so its finally runs\n"
+                    f"{indent}    await stream.aclose()\n")
         cuts.append((start, end, call))
     for start, end, stub in sorted(cuts, reverse=True):
         lines[start:end] = [stub]
@@ -240,8 +258,9 @@ def _store_visible_expectations(out: Path, assignments) -> None:
     stages = {a[:2] for a in assignments} if assignments else None
     stored = {}
     for name, check in sorted(checks.REGISTRY.items()):
-        # a check with its own ``expected`` (the serving checks: transformers' tokens) needs no reference
-        if check.expected is None and (stages is None or check.stage in stages):
+        # a check with its own ``expected`` (the serving checks: transformers' tokens) needs no reference, unless
+        # that expectation is computed with the graded code itself (stage 9's routing decisions)
+        if (check.expected is None or check.expected_uses_reference) and (stages is None or check.stage in stages):
             stored[name] = checks.expected_outcomes(name, None)
     target = out / Path(checks.STORED_EXPECTED).relative_to(Path(checks.__file__).resolve().parents[3])
     target.write_text(json.dumps(stored, indent=1) + "\n")
@@ -251,8 +270,9 @@ def _edition_path(rel: Path) -> Path:
     return Path("tinypaged", *rel.parts) if rel.parts[0] == "kernels" else rel
 
 
-def write(out: Path, assignments=None, root: Path = ROOT) -> dict[str, list[str]]:
-    """Write the student edition into ``out`` (which must not exist); returns file -> stubbed functions."""
+def write(out: Path, assignments=None, root: Path = ROOT, expectations: bool = True) -> dict[str, list[str]]:
+    """Write the student edition into ``out`` (which must not exist); returns file -> stubbed functions.
+    ``expectations=False``: without the visible cases' expected outcomes (the grader's sandbox edition)."""
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; the student edition is written into a new folder")
@@ -275,7 +295,8 @@ def write(out: Path, assignments=None, root: Path = ROOT) -> dict[str, list[str]
         target = out / _edition_path(rel)
         target.write_text(stub_file(target.read_text(), stubs))
         report[_edition_path(rel).as_posix()] = [d for d, _, _ in stubs]
-    _store_visible_expectations(out, assignments)
+    if expectations:
+        _store_visible_expectations(out, assignments)
     (out / "STUDENT_EDITION.txt").write_text(
         "tinypaged, student edition: the bodies below raise NotImplementedError; the exercises ask for them.\n"
         + "".join(f"{f}: {', '.join(fns)}\n" for f, fns in sorted(report.items())))

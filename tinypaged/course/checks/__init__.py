@@ -97,6 +97,9 @@ class Check:
     expected: Callable[[int | None], list] | None = None  # expected outcomes without a reference impl
     trace: bool = True  # watch for calls into the forbidden code while the implementation runs
     uses: tuple[str, ...] = ()  # other learner names this check exercises (a serving check: all of a stage's)
+    # ``expected`` computed with the package's graded code (not only transformers): the student edition, whose
+    # graded bodies are stubs, must ship its visible outcomes as data like a reference-based check's
+    expected_uses_reference: bool = False
 
     def cases(self, hidden: int | None = None) -> list[Case]:
         return self.make_cases(hidden)
@@ -111,18 +114,18 @@ class Check:
 
 REGISTRY: dict[str, Check] = {}
 # One module per stage; a new stage adds its module name here (missing modules are skipped).
-STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06", "stage07")
+STAGE_MODULES = ("stage01", "stage02", "stage03", "stage04", "stage05", "stage06", "stage07", "stage08", "stage09")
 
 
 def register(stage: str, target: str, reference: Callable[[], object] | None = None, points: int = 1,
              forbidden: Callable[[], list] | None = None, expected=None, trace: bool = True, name: str | None = None,
-             uses: tuple[str, ...] = ()):
+             uses: tuple[str, ...] = (), expected_uses_reference: bool = False):
     """Decorator on a function ``cases(hidden) -> list[Case]``; the check is named after it (minus ``cases_``)."""
 
     def wrap(fn):
         check_name = name or fn.__name__.removeprefix("cases_")
         REGISTRY[check_name] = Check(check_name, stage, target, fn, reference or (lambda: None), points,
-                                     forbidden, expected, trace, tuple(uses))
+                                     forbidden, expected, trace, tuple(uses), expected_uses_reference)
         return fn
 
     return wrap
@@ -167,7 +170,10 @@ def plain(value):
         return [plain(v) for v in value]
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        v = value.detach().cpu()
+        # a subclass's own methods and __torch_function__ play no part: its data as a plain tensor
+        with torch._C.DisableTorchFunctionSubclass():
+            v = torch.Tensor.as_subclass(value, torch.Tensor)
+        v = torch.Tensor.cpu(torch.Tensor.detach(v))
         if v.is_floating_point():
             v = v.double()
             data = [x if math.isfinite(x) else repr(x) for x in v.flatten().tolist()]
@@ -191,6 +197,14 @@ def _show(value) -> str:
 
 def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _error(a, b) -> float:
+    """|a - b|, where NaN and infinity differ from everything but themselves (never NaN: ``nan > tol`` is False)."""
+    if math.isfinite(a) and math.isfinite(b):
+        return abs(a - b)
+    same = (math.isnan(a) and math.isnan(b)) or a == b
+    return 0.0 if same else math.inf
 
 
 def differ(want, got, tol: float) -> str | None:
@@ -217,7 +231,7 @@ def _differ(want, got, tol: float) -> tuple[list, str] | None:
             return [], "the output holds inf or NaN (subtract the running max before exp?)"
         worst, at = 0.0, 0
         for i, (a, b) in enumerate(zip(w, g)):
-            err = abs(a - b) if _number(a) else math.inf
+            err = _error(a, b) if _number(a) else math.inf
             if err > worst:
                 worst, at = err, i
         if worst > tol:
@@ -230,7 +244,7 @@ def _differ(want, got, tol: float) -> tuple[list, str] | None:
                         f"tolerance {tol:g})")
         return None
     if _number(want) and _number(got):
-        return None if abs(want - got) <= tol else ([], f"expected {_show(want)}, got {_show(got)}")
+        return None if _error(want, got) <= tol else ([], f"expected {_show(want)}, got {_show(got)}")
     if isinstance(want, dict) and isinstance(got, dict) and want.keys() == got.keys():
         for k in want:  # name the first entry that differs
             found = _differ(want[k], got[k], tol)

@@ -1,29 +1,43 @@
 """The grader's side of the checks' process: run :mod:`~tinypaged.course.grading.probe` in the sandbox,
-start it again after whatever killed it, and return what it observed.
+start it again after whatever killed it, and return what it observed, validated as data.
 
-A probe that dies (``os._exit``, a crash, SIGXCPU at its CPU budget, the memory limit, or an idle hang
-the grader stops) costs only the step it died in: a learner cell that kills it leaves that cell and the
-later ones out (as a kernel that dies there would); a check that kills it scores 0 for that check, with
-the reason and the case's hint, and the next probe carries on with the following checks.
+The job goes to the probe on stdin; its events come back on its stdout, one JSON object per line, read here
+with limits (``MAX_LINE``, ``MAX_EVENTS``) and validated strictly (:func:`_event`): a known cell or check call of
+this job, steps of plain values (no NaN or infinity, no objects), a bounded size. Nothing else the sandbox says
+is taken: no verdict, no "reuse", no claim that the checks finished (the process's exit and the events of each
+step are what count), no findings. What the learner's code could write into the same stream can only claim
+observations, which are judged like any other: forging one means computing the answer.
 
-Limits are CPU time (a loaded machine slows a correct answer, it does not make it use more CPU). The
-only wall-clock rule catches a hang that uses no CPU at all (``time.sleep``, waiting on a lock): a probe
-that gains less than ``IDLE_CPU`` seconds of CPU in ``idle_s`` seconds is stopped.
+A probe that dies (``os._exit``, a crash, SIGXCPU at its CPU budget, the memory limit, a wall-clock limit, or
+an idle hang the grader stops) costs only the step it died in: a learner cell that kills it leaves that cell and
+the later ones out (as a kernel that dies there would); a check that kills it scores 0 for that check, with the
+reason and the case's hint, and the next probe carries on with the following checks.
+
+Limits: CPU time per step (a loaded machine slows a correct answer, it does not make it use more CPU); a hang
+that uses no CPU (a probe that gains less than ``IDLE_CPU`` seconds of CPU in ``idle_s`` seconds) is stopped;
+and wall-clock limits that a slow drip of CPU cannot extend: ``step_wall`` seconds per cell or check call and
+``total_wall`` seconds for the whole submission (job keys; defaults from the CPU budgets, :func:`wall_limits`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from tinypaged.course.grading.sandbox import Sandbox
+from tinypaged.course.grading.sandbox import Sandbox, edition_for_stage
 
 IDLE_CPU = 0.5
+MAX_LINE = 16 << 20  # bytes of one event line
+MAX_EVENTS = 64 << 20  # bytes of events read from one probe (the rest is drained and dropped)
+MAX_DEPTH = 12  # nesting of an observed value
+MAX_TEXT = 400  # characters of an error message kept
 
 
 def _tree_cpu(pid: int) -> float:
@@ -68,48 +82,204 @@ def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: int) -> str:
     return f"ended the process (exit status {rc}, e.g. os._exit or sys.exit from a thread){said}"
 
 
-def _events(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(e, dict):
-                out.append(e)
+# ---------------------------------------------------------------- the channel: data, validated
+
+class _Invalid(ValueError):
+    pass
+
+
+def _reject_constant(name: str):
+    raise _Invalid(f"{name} is not a value the grader accepts")
+
+
+def _value(v, depth: int = 0):
+    """An observed value as plain JSON data (NaN and infinity never get here: the parser refuses them)."""
+    if depth > MAX_DEPTH:
+        raise _Invalid("an observed value is nested too deeply")
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise _Invalid("a non-finite number")
+        return v
+    if isinstance(v, list):
+        return [_value(x, depth + 1) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _value(x, depth + 1) for k, x in v.items()}
+    raise _Invalid(f"an observed value of type {type(v).__name__}")
+
+
+def _outcome(o) -> dict:
+    """One case's observation: steps of [description, value], and ``todo``, ``error``, ``note`` if present."""
+    if not isinstance(o, dict):
+        raise _Invalid("an outcome is not an object")
+    steps = o.get("steps", [])
+    if not isinstance(steps, list):
+        raise _Invalid("steps is not a list")
+    out: dict = {"steps": []}
+    for s in steps:
+        if not (isinstance(s, list) and len(s) == 2 and isinstance(s[0], str)):
+            raise _Invalid("a step is not [description, value]")
+        out["steps"].append([s[0][:2000], _value(s[1])])
+    if o.get("todo") is True:
+        out["todo"] = True
+    if isinstance(o.get("error"), str):
+        out["error"] = o["error"][:MAX_TEXT]
+    if isinstance(o.get("note"), str):
+        from tinypaged.course.checks import MAX_NOTE
+
+        out["note"] = o["note"][:MAX_NOTE]
     return out
 
 
-def run_probe(job: dict, make_sandbox, idle_s: float = 120.0) -> tuple[list[dict], str | None]:
+def _event(line: bytes, job: dict) -> dict | None:
+    """One event line, validated against the job (None: not an event of this job; dropped)."""
+    try:
+        e = json.loads(line, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(e, dict):
+        return None
+    calls = {c["key"]: c for c in job["calls"]}
+    cells = {c["index"] for c in job["cells"]}
+    try:
+        if "cell" in e:
+            if not (isinstance(e["cell"], int) and e["cell"] in cells):
+                return None
+            if e.get("done") is True:
+                err = e.get("error")
+                return {"cell": e["cell"], "done": True, "error": err[:MAX_TEXT] if isinstance(err, str) else None}
+            for k in ("start", "skipped"):
+                if e.get(k) is True:
+                    return {"cell": e["cell"], k: True}
+            return None
+        if "call" in e:
+            key = e["call"]
+            if not (isinstance(key, str) and key in calls):
+                return None
+            if "record" in e:
+                rec = e["record"]
+                outcomes = rec.get("outcomes") if isinstance(rec, dict) else None
+                if not isinstance(outcomes, list):
+                    return None
+                call = calls[key]  # what was checked comes from the job, never from the sandbox
+                return {"call": key, "record": {"check": call["check"], "hidden": call["hidden"],
+                                                "outcomes": [_outcome(o) for o in outcomes]}}
+            if isinstance(e.get("case"), int) and not isinstance(e["case"], bool):
+                return {"call": key, "case": e["case"]}
+            for k in ("start", "skipped"):
+                if e.get(k) is True:
+                    return {"call": key, k: True}
+            return None
+        if e.get("finished") is True:
+            return {"finished": True}
+        if isinstance(e.get("probe_error"), str):
+            return {"probe_error": e["probe_error"][-2000:]}
+    except _Invalid as why:
+        if "call" in e and isinstance(e.get("call"), str) and e["call"] in calls:
+            call = calls[e["call"]]
+            return {"call": e["call"], "record": {"check": call["check"], "hidden": call["hidden"], "outcomes": [
+                {"steps": [], "error": f"the observed values are not plain data ({why})"}]}}
+    return None
+
+
+class _Reader(threading.Thread):
+    """Reads a pipe to its end: lines up to the limits (``keep="lines"``), or only the tail (``keep="tail"``)."""
+
+    def __init__(self, pipe, keep: str, on_line=None):
+        super().__init__(daemon=True)
+        self.pipe, self.keep, self.on_line = pipe, keep, on_line
+        self.lines: list[bytes] = []
+        self.tail = b""
+        self.dropped = False
+
+    def run(self):
+        total = 0
+        for line in iter(lambda: self.pipe.readline(MAX_LINE + 1), b""):
+            if self.keep == "tail":
+                self.tail = (self.tail + line)[-4000:]
+                continue
+            total += len(line)
+            if len(line) > MAX_LINE or total > MAX_EVENTS or not line.endswith(b"\n"):
+                self.dropped = True
+                continue
+            self.lines.append(line)
+            if self.on_line is not None:
+                self.on_line(line)
+
+
+def wall_limits(job: dict) -> tuple[float, float]:
+    """(per step, per submission) wall-clock seconds: from the job, else from its CPU budgets."""
+    from tinypaged.course.grading.probe import SERVING_CPU
+
+    cpu = max(job.get("check_cpu", 300), job.get("cell_cpu", 120))
+    step = job.get("step_wall") or 2 * max(cpu, SERVING_CPU) + 60
+    learner = sum(1 for c in job["cells"] if c.get("learner"))
+    total = job.get("total_wall") or 2 * (job.get("cell_cpu", 120) * learner + job.get("check_cpu", 300)
+                                         * len(job["calls"])) + 2 * SERVING_CPU + 120
+    return float(step), float(total)
+
+
+def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
+              deadline: float | None = None) -> tuple[list[dict], str | None]:
     """One probe run: its events, and why it stopped early (None if it finished)."""
+    step_wall, _ = wall_limits(job)
     with tempfile.TemporaryDirectory(prefix="tinypaged-probe-") as tmp:
-        scratch = Path(tmp)
-        (scratch / "job.json").write_text(json.dumps(job))
-        box: Sandbox = make_sandbox(scratch)
-        cmd = box.command([sys.executable, "-m", "tinypaged.course.grading.probe", str(scratch / "job.json"),
-                           str(scratch / "events.jsonl")])
-        err = open(scratch / "stderr.txt", "w+")
-        proc = subprocess.Popen(cmd, cwd=scratch, stdout=subprocess.DEVNULL, stderr=err, env=box.popen_env(),
-                                start_new_session=True)
-        stopped, last_cpu, last_t = None, 0.0, time.monotonic()
-        while proc.poll() is None:
-            time.sleep(1.0)
-            cpu = _tree_cpu(proc.pid)
-            if cpu - last_cpu >= IDLE_CPU:
-                last_cpu, last_t = cpu, time.monotonic()
-            elif time.monotonic() - last_t > idle_s:
-                stopped = f"hung without using the CPU for {idle_s:g} s and was stopped"
-                _kill(proc)
-        err.seek(0)
-        stderr = err.read()[-4000:]
-        err.close()
-        events = _events(scratch / "events.jsonl")
-        if any(e.get("finished") for e in events):
+        box: Sandbox = make_sandbox(Path(tmp))
+        if box.edition is None and not box.unsafe:  # the student edition of the job's stage: no answers inside
+            box.edition = edition_for_stage(job["stage"])
+        state = {"step_t": time.monotonic(), "finished": False}
+
+        def on_line(line: bytes) -> None:  # any event is a step boundary for the wall clock
+            state["step_t"] = time.monotonic()
+
+        with box:
+            cmd = box.command([sys.executable, "-m", "tinypaged.course.grading.probe"])
+            proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=box.popen_env(), start_new_session=True)
+            out, err = _Reader(proc.stdout, "lines", on_line), _Reader(proc.stderr, "tail")
+            out.start()
+            err.start()
+            try:
+                proc.stdin.write(json.dumps(job).encode())
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            stopped, last_cpu, last_t = None, 0.0, time.monotonic()
+            while proc.poll() is None:
+                time.sleep(0.5)
+                now = time.monotonic()
+                cpu = _tree_cpu(proc.pid)
+                if cpu - last_cpu >= IDLE_CPU:
+                    last_cpu, last_t = cpu, now
+                elif now - last_t > idle_s:
+                    stopped = f"hung without using the CPU for {idle_s:g} s and was stopped"
+                elif now - state["step_t"] > step_wall:
+                    stopped = f"ran past its wall-clock limit of {step_wall:g} s (CPU used or not)"
+                elif deadline is not None and now > deadline:
+                    stopped = "ran past the submission's wall-clock limit and was stopped"
+                if stopped:
+                    _kill(proc)
+            out.join(10)
+            err.join(10)
+        events = [e for e in (_event(line, job) for line in out.lines) if e is not None]
+        stderr = err.tail.decode(errors="replace")
+        if proc.returncode == 0 and stopped is None and events and events[-1].get("finished") \
+                and _complete(job, events):
             return events, None
         if any("probe_error" in e for e in events):
             return events, "the grader's probe failed: " + next(e["probe_error"] for e in events if "probe_error" in e)
         return events, _why(proc.returncode, stderr, stopped, job.get("check_cpu", 300))
+
+
+def _complete(job: dict, events: list[dict]) -> bool:
+    """Whether every cell and check call of the job has its closing event (a "finished" line alone proves
+    nothing: the learner's code can write one and end the process)."""
+    stop = job.get("skip_cells_from")
+    cells = {e["cell"] for e in events if "cell" in e and (e.get("done") or e.get("skipped"))}
+    calls = {e["call"] for e in events if "call" in e and ("record" in e or e.get("skipped"))}
+    return all(c["index"] in cells for c in job["cells"] if stop is None or c["index"] < stop) and \
+        all(c["key"] in calls for c in job["calls"] if c["key"] not in set(job.get("skip_calls", [])))
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -125,9 +295,14 @@ def _kill(proc: subprocess.Popen) -> None:
 def gather(job: dict, make_sandbox, idle_s: float = 120.0) -> dict:
     """Run the probe until every step ran or was given up: records per call key, cell results, kills."""
     job = dict(job, skip_calls=[], skip_cells_from=None)
-    records, cells, kills, refused, threads = {}, {}, [], [], []
+    _, total_wall = wall_limits(job)
+    deadline = time.monotonic() + total_wall
+    records, cells, kills = {}, {}, []
     for attempt in range(len(job["calls"]) + 3):
-        events, stopped = run_probe(job, make_sandbox, idle_s)
+        if time.monotonic() > deadline:
+            kills.append({"why": f"used up the submission's wall-clock limit of {total_wall:g} s"})
+            break
+        events, stopped = run_probe(job, make_sandbox, idle_s, deadline)
         if attempt == 0 and not events:  # it never reached the learner's code: grading failed, not the learner
             raise RuntimeError(f"the checks' process did not start: it {stopped}")
         started_cell = started_call = case = None
@@ -136,17 +311,14 @@ def gather(job: dict, make_sandbox, idle_s: float = 120.0) -> dict:
                 started_cell = e["cell"]
             if "cell" in e and e.get("done"):
                 started_cell = None
-                cells.setdefault(e["cell"], {"error": e.get("error"), "refused": e.get("refused", [])})
-                refused += [f"cell {e['cell']}: {r}" for r in e.get("refused", [])]
+                cells.setdefault(e["cell"], {"error": e.get("error"), "refused": []})
             if "call" in e and e.get("start"):
                 started_call, case = e["call"], None
             if "call" in e and "case" in e:
                 case = e["case"]
             if "call" in e and "record" in e:
                 started_call = None
-                records[e["call"]] = e["record"]
-                refused += [f"{e['call']}: {r}" for r in e.get("refused", [])]
-                threads += [f"{e['call']}: {t}" for t in e.get("threads", [])]
+                records.setdefault(e["call"], e["record"])  # the first record of a call counts
         if stopped is None:
             break
         job["skip_calls"] = sorted(set(job["skip_calls"]) | set(records))
@@ -159,5 +331,4 @@ def gather(job: dict, make_sandbox, idle_s: float = 120.0) -> dict:
         else:
             kills.append({"why": stopped})
             break
-    return {"records": records, "cells": cells, "kills": kills, "refused": sorted(set(refused)),
-            "threads": sorted(set(threads))}
+    return {"records": records, "cells": cells, "kills": kills, "refused": [], "threads": []}

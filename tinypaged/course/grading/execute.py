@@ -8,11 +8,15 @@ from it (see :mod:`~tinypaged.course.grading.verify`). The subprocess runs insid
 cells in order and rewrites OUT after every cell. Before each cell the kernel gets a CPU-time budget of
 ``--cell-cpu`` seconds (a soft ``RLIMIT_CPU`` set from outside the kernel, so load never trips it); a cell
 that gains no CPU for ``--cell-timeout`` seconds (a hang that uses no CPU, a SIGINT-proof wait) has its
-kernel stopped and gets a ``CellTimeoutError`` output. No wall-clock limit applies to a busy cell. If the kernel dies or does not recover, the remaining cells are marked as
-not run, and the notebook's metadata says which cell stopped it (``metadata.tinypaged.stopped``).
+kernel stopped and gets a ``CellTimeoutError`` output; so does a cell that runs longer than ``--cell-wall``
+seconds (default: twice its CPU budget plus ``--cell-timeout``), so a slow drip of CPU cannot hold the run. If
+the kernel dies or does not recover, the remaining cells are marked as not run, and the notebook's metadata says
+which cell stopped it (``metadata.tinypaged.stopped``).
 
-:func:`run_notebook` is the caller's side: it also enforces a limit on the whole notebook by killing
-the sandbox, and returns the notebook as far as it got.
+:func:`run_notebook` is the caller's side: the kernel imports the student edition of the notebook's stage (no
+answers inside: :mod:`~tinypaged.course.grading.sandbox`), this file and the notebook travel through the
+sandbox's ``/io`` folder, and it enforces a limit on the whole notebook by killing the sandbox (its cgroup);
+it returns the notebook as far as it got.
 """
 
 from __future__ import annotations
@@ -77,22 +81,27 @@ class _IdleWatch(threading.Thread):
     ``time.sleep``, a lock, SIGINT ignored while waiting). A busy cell is never stopped by the clock: its CPU
     budget stops it, so load cannot fail a correct cell."""
 
-    def __init__(self, pid: int, idle: float):
+    def __init__(self, pid: int, idle: float, wall: float = 0.0):
         super().__init__(daemon=True)
         self.pid, self.idle, self.fired, self.active = pid, idle, False, threading.Event()
+        self.wall, self.walled = wall, False  # wall-clock seconds per cell (0: none); whether that stopped it
         self.done = threading.Event()
 
     def run(self):
         last_cpu, last_t = 0.0, time.monotonic()
+        started = None
         while not self.done.wait(1.0):
             if not self.active.is_set():
                 last_cpu, last_t = _kernel_cpu(self.pid), time.monotonic()
+                started = None
                 continue
+            started = started or time.monotonic()
             cpu = _kernel_cpu(self.pid)
-            if cpu - last_cpu >= 0.5:
+            over = self.wall > 0 and time.monotonic() - started > self.wall
+            if cpu - last_cpu >= 0.5 and not over:
                 last_cpu, last_t = cpu, time.monotonic()
-            elif time.monotonic() - last_t > self.idle:
-                self.fired = True
+            elif over or time.monotonic() - last_t > self.idle:
+                self.fired, self.walled = True, over
                 try:
                     os.kill(self.pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -100,8 +109,12 @@ class _IdleWatch(threading.Thread):
                 return
 
 
-def execute(in_path: Path, out_path: Path, cell_timeout: int, cwd: Path, cell_cpu: int = 0) -> int:
-    """``cell_timeout``: seconds a cell may go without using the CPU; ``cell_cpu``: CPU seconds per cell."""
+def execute(in_path: Path, out_path: Path, cell_timeout: int, cwd: Path, cell_cpu: int = 0,
+            cell_wall: float | None = None) -> int:
+    """``cell_timeout``: seconds a cell may go without using the CPU; ``cell_cpu``: CPU seconds per cell;
+    ``cell_wall``: wall-clock seconds per cell (None: ``2 * cell_cpu + cell_timeout`` when ``cell_cpu`` is set)."""
+    if cell_wall is None:
+        cell_wall = 2 * cell_cpu + cell_timeout if cell_cpu else 0
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -116,7 +129,7 @@ def execute(in_path: Path, out_path: Path, cell_timeout: int, cwd: Path, cell_cp
         pid = getattr(getattr(client.km, "provisioner", None), "pid", None)
         if pid:
             out_path.with_suffix(".kernel-pid").write_text(str(pid))
-        watch = _IdleWatch(pid, cell_timeout) if pid else None
+        watch = _IdleWatch(pid, cell_timeout, cell_wall) if pid else None
         if watch:
             watch.start()
         for index, cell in enumerate(nb.cells):
@@ -131,7 +144,10 @@ def execute(in_path: Path, out_path: Path, cell_timeout: int, cwd: Path, cell_cp
             try:
                 client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
             except DeadKernelError:
-                if watch and watch.fired:
+                if watch and watch.fired and watch.walled:
+                    why = f"cell {index} ran past its wall-clock limit of {cell_wall:g} s and the kernel was stopped"
+                    cell.outputs.append(nbformat.from_dict(_error(TIMEOUT, why)))
+                elif watch and watch.fired:
                     why = f"cell {index} hung without using the CPU for {cell_timeout} s and the kernel was stopped"
                     cell.outputs.append(nbformat.from_dict(_error(TIMEOUT, why)))
                 else:
@@ -155,31 +171,47 @@ def execute(in_path: Path, out_path: Path, cell_timeout: int, cwd: Path, cell_cp
 
 
 def run_notebook(nb: dict, make_sandbox, cell_timeout: int = 600, total_timeout: int = 1800,
-                 cell_cpu: int = 300) -> dict:
+                 cell_cpu: int = 300, stage: str | None = None) -> dict:
     """Execute ``nb`` in a fresh kernel in a sandboxed subprocess; returns the executed notebook.
 
     ``make_sandbox(scratch)`` gives the :class:`~tinypaged.course.grading.sandbox.Sandbox` (the kernel's
-    working directory is its scratch). Cells never reached (the whole-notebook limit) get a ``NotRun`` error.
+    working directory is its private tmpfs; ``scratch`` is seen as ``/io``); it imports the student edition of
+    ``stage`` (default: the notebook's). Cells never reached (the whole-notebook limit) get a ``NotRun`` error.
     """
+    from tinypaged.course.grading import notebook as nbk
+    from tinypaged.course.grading.sandbox import edition_for_stage
+
     with tempfile.TemporaryDirectory(prefix="tinypaged-run-") as tmp:
         src, out = Path(tmp) / "in.ipynb", Path(tmp) / "out.ipynb"
         src.write_text(json.dumps(nb))
+        runner = Path(tmp) / "execute.py"  # the runner itself needs nbclient, not tinypaged (and its torch import)
+        runner.write_text(Path(__file__).read_text())
         box = make_sandbox(Path(tmp))
-        # Run this file as a script: the runner itself needs nbclient, not tinypaged (and its torch import).
-        cmd = box.command([sys.executable, str(Path(__file__).resolve()), str(src), str(out), "--cell-timeout",
-                           str(cell_timeout), "--cwd", str(tmp), "--cell-cpu", str(cell_cpu)])
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=tmp, env=box.popen_env())
-        reason = None
+        stage = stage or nbk.stage_of(nb)
+        if not box.unsafe:
+            box.io = True
+            if box.edition is None and stage is not None:
+                box.edition = edition_for_stage(stage)
+        with box:
+            cmd = box.command([sys.executable, box.inside(runner), box.inside(src), box.inside(out),
+                               "--cell-timeout", str(cell_timeout), "--cell-cpu", str(cell_cpu)]
+                              + (["--cwd", str(tmp)] if box.unsafe else []))
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=tmp, env=box.popen_env())
+            reason = None
+            try:
+                log, _ = proc.communicate(timeout=total_timeout)
+                if proc.returncode != 0:
+                    tail = log.decode(errors="replace")[-500:]
+                    reason = f"the notebook runner failed (exit {proc.returncode}): {tail}"
+            except subprocess.TimeoutExpired:
+                reason = f"the notebook ran longer than {total_timeout} s and was stopped"
+                _kill(proc, out.with_suffix(".kernel-pid"))
+                proc.communicate()
         try:
-            log, _ = proc.communicate(timeout=total_timeout)
-            if proc.returncode != 0:
-                reason = f"the notebook runner failed (exit {proc.returncode}): {log.decode(errors='replace')[-500:]}"
-        except subprocess.TimeoutExpired:
-            reason = f"the notebook ran longer than {total_timeout} s and was stopped"
-            _kill(proc, out.with_suffix(".kernel-pid"))
-            proc.communicate()
-        executed = json.loads(out.read_text()) if out.exists() else json.loads(src.read_text())
+            executed = json.loads(out.read_text()) if out.exists() else json.loads(src.read_text())
+        except (OSError, ValueError):  # the sandbox wrote something else there
+            executed = json.loads(src.read_text())
         if reason:
             executed.setdefault("metadata", {}).setdefault("tinypaged", {})["stopped"] = {"cell": None, "why": reason}
             for cell in executed["cells"]:
@@ -193,11 +225,8 @@ def _kill(proc: subprocess.Popen, pid_file: Path) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
-    if pid_file.exists():  # the kernel runs in its own session
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
+    # the kernel runs in its own session, inside the sandbox's PID namespace: the cgroup (``box.close()``) ends
+    # it; without one, the namespace ends with the sandbox's first process (bubblewrap's --die-with-parent)
     time.sleep(0.1)
 
 
@@ -207,9 +236,11 @@ def main(argv=None) -> int:
     ap.add_argument("output", type=Path)
     ap.add_argument("--cell-timeout", type=int, default=120)
     ap.add_argument("--cwd", type=Path, default=Path.cwd())
+    ap.add_argument("--cell-wall", type=float, default=None,
+                    help="wall-clock seconds per cell (default: 2 x --cell-cpu + --cell-timeout)")
     ap.add_argument("--cell-cpu", type=int, default=0, help="CPU seconds per cell (0: no budget)")
     args = ap.parse_args(argv)
-    return execute(args.input, args.output, args.cell_timeout, args.cwd, args.cell_cpu)
+    return execute(args.input, args.output, args.cell_timeout, args.cwd, args.cell_cpu, args.cell_wall)
 
 
 if __name__ == "__main__":

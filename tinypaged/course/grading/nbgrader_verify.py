@@ -1,5 +1,11 @@
 """nbgrader's ``autograde`` with the quick grader's protection (configured in ``nbgrader_config.py``).
 
+* :class:`CompareGivenCells` replaces nbgrader's ``OverwriteCells`` (a sanitizing step): it puts the
+  instructor's locked and test cells back as nbgrader does, but compares each with what the learner was
+  *given* (the released cell: hidden tests removed), not with the instructor's source, so an honest
+  notebook raises no "checksum has changed" warning; a test cell that was edited or deleted, or whose
+  points, cell type or lock changed, is recorded in the notebook's ``metadata.tinypaged.tampered`` (set
+  here only) and becomes a counted finding: the submission is FLAGGED, graded from the instructor's cells.
 * :class:`SandboxedExecute` replaces nbgrader's ``Execute``: the submission runs in a kernel inside the
   sandbox (:mod:`~tinypaged.course.grading.sandbox`), never in nbgrader's own environment, so it cannot
   read ``source/``, the gradebook or other submissions, nor write anything but its scratch directory.
@@ -26,10 +32,95 @@ from pathlib import Path
 
 from nbformat import from_dict
 from nbgrader.plugins import ExportPlugin
-from nbgrader.preprocessors import NbGraderPreprocessor
+from nbgrader.preprocessors import NbGraderPreprocessor, OverwriteCells
 from traitlets import Float, Integer
 
 FINDINGS_PREFIX = "tinypaged grading: "
+TAMPERED = "tampered"  # metadata.tinypaged.tampered: [{"grade_id", "what"}], written by CompareGivenCells only
+
+
+def released_source(source: str) -> str:
+    """A locked cell's code as generate_assignment released it: the hidden-tests region removed (as nbgrader's
+    ClearHiddenTests does, line by line)."""
+    from tinypaged.course.grading.notebook import BEGIN_HIDDEN, END_HIDDEN
+
+    out, inside = [], False
+    for line in source.split("\n"):
+        if BEGIN_HIDDEN in line:
+            inside = True
+        elif END_HIDDEN in line:
+            inside = False
+        elif not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _same_code(a: str, b: str) -> bool:
+    """Equal but for trailing whitespace (an editor may strip it)."""
+    return [line.rstrip() for line in a.rstrip().split("\n")] == [line.rstrip() for line in b.rstrip().split("\n")]
+
+
+class CompareGivenCells(OverwriteCells):
+    """nbgrader's ``OverwriteCells``, judging a locked cell against the released one (see the module docstring)."""
+
+    def preprocess(self, nb, resources):
+        from nbgrader.api import Gradebook
+
+        from tinypaged.course.grading import notebook as nbk
+
+        meta = resources["nbgrader"]
+        found: list[dict] = []
+        with Gradebook(meta["db_url"]) as gb:
+            source_nb = gb.find_notebook(meta["notebook"], meta["assignment"])
+            graded = {c.name: c for c in source_nb.grade_cells}
+            locked = {c.name: c for c in source_nb.source_cells if c.locked}
+            present = set()
+            for cell in nb.cells:
+                gid = nbk.grade_id(cell)
+                if gid is None or gid in present or (gid not in locked and gid not in graded):
+                    continue
+                present.add(gid)
+                what = []
+                src = locked.get(gid)
+                if src is not None:
+                    if cell.cell_type != src.cell_type:
+                        what.append(f"its type changed to {cell.cell_type}")
+                    elif not _same_code(nbk.source_of(cell), released_source(src.source)):
+                        what.append("its code was edited")
+                    if not nbk.nbgrader_meta(cell).get("locked"):
+                        what.append("it was unlocked")
+                g = graded.get(gid)
+                if g is not None and nbk.nbgrader_meta(cell).get("grade"):
+                    try:
+                        pts = float(nbk.nbgrader_meta(cell).get("points"))
+                    except (TypeError, ValueError):
+                        pts = None
+                    if pts != float(g.max_score):
+                        what.append(f"its points changed ({g.max_score:g} -> {nbk.nbgrader_meta(cell).get('points')})")
+                elif g is not None:
+                    what.append("it is no longer marked as graded")
+                if what:
+                    kind = "test cell" if g is not None and src is not None else "cell"
+                    found.append({"grade_id": gid, "what": f"{kind} {gid!r}: " + ", ".join(what)})
+                if src is not None:  # the instructor's marks, whatever the submission says (nbgrader keeps some)
+                    cell.metadata.setdefault("nbgrader", {}).update(grade=g is not None, solution=False, locked=True)
+                    if g is not None:
+                        cell.metadata.nbgrader["points"] = float(g.max_score)
+            for gid, g in graded.items():
+                if gid not in present and gid in locked:
+                    found.append({"grade_id": gid, "what": f"test cell {gid!r}: deleted"})
+        for f in found:
+            self.log.warning("tinypaged: %s (graded from the instructor's cell)", f["what"])
+        nb.metadata.setdefault("tinypaged", {})[TAMPERED] = found  # whatever the submission said there
+        return super().preprocess(nb, resources)
+
+    def report_change(self, name, attr, old, new) -> None:
+        # nbgrader's checksum is the source's (hidden tests included), which a released test cell never matches:
+        # real edits are reported above, against the released cell, so this one is left out
+        if attr == "checksum":
+            self.log.debug("cell %s: put back from the source", name)
+            return
+        super().report_change(name, attr, old, new)
 
 
 def _course_paths(resources) -> tuple[Path, str, str]:
@@ -51,6 +142,19 @@ def _source(resources, nb) -> tuple[dict, str]:
         src = nbk.source_for_stage(stage, coursework.ROOT / "solutions")
     source = nbk.read(src)
     return source, nbk.stage_of(source, src) or ""
+
+
+def _refuse_links(resources) -> None:
+    """A submitted notebook (or its folder) that is a symbolic link is refused, naming it: nbgrader would read
+    whatever it points to (``solutions/``) as the learner's work."""
+    import os
+
+    course, assignment, notebook = _course_paths(resources)
+    student = resources.get("nbgrader", {}).get("student", "")
+    path = course / "submitted" / student / assignment / f"{notebook}.ipynb"
+    for p in (path, path.parent):
+        if student and p.is_symlink():
+            raise ValueError(f"{p} is a symbolic link (to {os.readlink(p)}): the submission must be the notebook file")
 
 
 def _sandbox(resources):
@@ -103,7 +207,12 @@ class VerifyChecks(NbGraderPreprocessor):
         plain = json.loads(json.dumps(nb))
         source = None
         try:
+            _refuse_links(resources)
             source, stage = _source(resources, plain)
+            handed_in = nbk.stage_of(plain)
+            if handed_in and stage and handed_in != stage:  # another assignment's notebook is refused, not graded
+                raise ValueError(f"the submission is a stage {handed_in} notebook, not stage {stage} "
+                                 f"({resources['nbgrader'].get('assignment')})")
             report = grade(source, plain, stage, _sandbox(resources), self.cpu_timeout, self.cpu_timeout, self.idle)
         except Exception as e:  # a failed autograde is flagged with its reason, never a silent 0
             self.log.error("tinypaged: autograde failed: %s", e)
@@ -116,6 +225,12 @@ class VerifyChecks(NbGraderPreprocessor):
         if stopped:
             report["findings"].append(dict(kind="killed", cell=stopped.get("cell"), line=0, checks=[],
                                            what=f"feedback run: {stopped['why']}", counted=False))
+        tampered = nb.metadata.get("tinypaged", {}).get(TAMPERED, [])
+        cells = {nbk.grade_id(c): i for i, c in enumerate((source or plain)["cells"]) if nbk.grade_id(c)}
+        for t in tampered if isinstance(tampered, list) else []:
+            if isinstance(t, dict) and isinstance(t.get("what"), str):
+                report["findings"].append(dict(kind="tamper", cell=cells.get(t.get("grade_id")), line=0, checks=[],
+                                               what=t["what"] + " (graded from the instructor's cell)", counted=True))
         apply_to_notebook(plain, report, source or plain)
         by_id = {nbk.grade_id(c): c for c in plain["cells"] if nbk.grade_id(c)}
         graded = {r["grade_id"] for r in report["tests"]}  # the source's test cells, whatever the metadata says

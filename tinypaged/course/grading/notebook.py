@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 
@@ -172,8 +173,18 @@ def assemble(source_nb: dict, submission_nb: dict) -> dict:
     return nb
 
 
-def read(path: Path) -> dict:
-    """A notebook as a dict; a file that is not a notebook raises ValueError naming it."""
+def read(path: Path, within: Path | None = None) -> dict:
+    """A notebook as a dict; a file that is not a notebook raises ValueError naming it. So does a symbolic link
+    (a submission must be the learner's own file: a link could hand in ``solutions/``) and a path that resolves
+    outside ``within`` (default: the folder it is in)."""
+    path = Path(path)
+    for p in (path, path.absolute().parent):
+        if p.is_symlink():
+            raise ValueError(f"{p} is a symbolic link (to {os.readlink(p)}): hand in the notebook file itself")
+    folder = Path(within) if within is not None else path.parent
+    real, home = path.resolve(), folder.resolve()
+    if home not in real.parents:
+        raise ValueError(f"{path} resolves to {real}, outside its folder {folder}: hand in the notebook file itself")
     try:
         nb = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -1,28 +1,22 @@
-"""The checks' process: import a learner's code as a module and observe what it does on every check's cases.
+"""The checks' process: import a learner's code as a module and record what it does on every check's cases.
 
-    python -m tinypaged.course.grading.probe JOB.json EVENTS.jsonl
+    python -m tinypaged.course.grading.probe < JOB.json > EVENTS
 
-It runs inside the sandbox (:mod:`~tinypaged.course.grading.sandbox`), started fresh for every
-submission by :mod:`~tinypaged.course.grading.evidence`, which also judges what it reports. ``JOB.json``
-holds the module's cells (the instructor's given cells and the learner's code of the solution cells,
-in the source's order: see :func:`tinypaged.course.grading.notebook.module_cells`) and the check calls
-of the instructor's test cells, hidden seeds included. ``EVENTS.jsonl`` receives one JSON object per line,
-written before and after each step, so when the process dies (``os._exit``, a crash in a Triton store
-out of bounds, SIGXCPU at the CPU-time limit, the memory limit) the caller knows which step killed it
-and starts a new probe after that step.
+It runs inside the sandbox (:mod:`~tinypaged.course.grading.sandbox`) with the **student edition** of the
+package (graded bodies are stubs that call the learner's definitions: no reference implementation, no expected
+value, no check's answer is there to reuse), started fresh for every submission by
+:mod:`~tinypaged.course.grading.evidence`. The job (the module's cells: the instructor's given cells and the
+learner's code of the solution cells, in the source's order; the check calls of the test cells, hidden seeds
+included: inputs, not answers) comes on stdin, which is then closed. The events go to the probe's stdout, one
+JSON object per line, written before and after each step, so when the process dies (``os._exit``, a crash in a
+Triton store out of bounds, SIGXCPU at the CPU-time limit, the memory limit) the caller knows which step killed
+it and starts a new probe after that step. The learner's own ``print`` goes to stderr.
 
-The process only *observes*: the expected results and every verdict are computed by the caller, in
-the grader's process, from the package's references. While the learner's code runs:
-
-* an audit hook (it cannot be removed) refuses, when the learner's own code asks for it, what a
-  solution never needs: frames, trace hooks, ``gc`` walks, ``exec``/``compile``, files, processes,
-  ``ctypes``, imports outside :data:`~tinypaged.course.grading.scan.ALLOWED_IMPORTS`; each refusal
-  is reported as tampering;
-* a trace function in every thread (``sys.settrace`` and ``threading.settrace``) notes a call into the
-  check's forbidden references with a learner frame on the stack (reuse, however it was reached);
-* a Python thread of the learner's still running during a check (one the trace hook may not see) counts
-  as reuse for that check;
-* each learner cell and each check call runs under its own CPU-time budget (``RLIMIT_CPU``, soft limit).
+This process only *records*: each case's steps (``checks.Trace``: plain data). The expected results and
+every verdict are computed by the grader, in its own process, from the full package; it takes nothing else
+from here (a line the learner's code writes to the same stream can only claim an observation, which is
+compared like any other). Each learner cell and each check call runs under its own CPU-time budget
+(``RLIMIT_CPU``, soft limit).
 """
 
 from __future__ import annotations
@@ -31,8 +25,6 @@ import json
 import os
 import resource
 import sys
-import threading
-import time
 import traceback
 import types
 from pathlib import Path
@@ -42,72 +34,14 @@ MODULE = "submission"  # the learner's module (the serving check refuses plug-in
 
 
 class Events:
-    def __init__(self, path: Path):
-        self.f = open(path, "a", buffering=1)
+    """JSON lines on a private copy of stdout (fd 1 itself then points at stderr, for the learner's prints)."""
+
+    def __init__(self, fd: int):
+        self.f = os.fdopen(fd, "w", buffering=1)
 
     def __call__(self, **event) -> None:
-        self.f.write(json.dumps(event) + "\n")
+        self.f.write(json.dumps(event, allow_nan=False) + "\n")
         self.f.flush()
-
-
-class Guard:
-    """The audit hook and the all-threads tripwire; ``learner_files`` are the solution cells' file names."""
-
-    def __init__(self, learner_files: set[str], allowed_imports: frozenset[str]):
-        self.learner_files = learner_files
-        self.allowed = allowed_imports
-        self.refused: list[str] = []
-        self.local = threading.local()
-        self.codes: set = set()  # forbidden code objects of the check being run
-        self.hits: list[str] = []
-        self.armed = False
-        self.tracer = self.trace  # one bound method, so ``sys.gettrace() is guard.tracer`` means untouched
-
-    def _learner_caller(self, depth: int = 2):
-        """The learner's frame that directly asked for the event (importlib's frames skipped), or None."""
-        f = sys._getframe(depth)
-        while f is not None and ("importlib" in f.f_code.co_filename or f.f_code.co_filename.startswith("<frozen")):
-            f = f.f_back
-        return f if f is not None and f.f_code.co_filename in self.learner_files else None
-
-    def audit(self, event: str, args) -> None:
-        if not self.armed or getattr(self.local, "busy", False):
-            return
-        if not (event in ("open", "exec", "compile", "sys._getframe", "sys.settrace", "sys.setprofile",
-                          "sys._current_frames", "sys.addaudithook", "gc.get_objects", "gc.get_referrers",
-                          "gc.get_referents", "object.__getattr__", "object.__setattr__", "object.__delattr__",
-                          "import", "function.__new__", "code.__new__", "os.system", "os.fork", "os.forkpty",
-                          "os.posix_spawn", "os.exec", "os.spawn", "os.kill", "os.killpg", "subprocess.Popen",
-                          "socket.connect", "socket.bind", "signal.pthread_kill", "resource.setrlimit")
-                or event.startswith(("ctypes.", "os.", "shutil.", "socket."))):
-            return
-        self.local.busy = True
-        try:
-            frame = self._learner_caller(2)
-        finally:
-            self.local.busy = False
-        if frame is None:
-            return
-        if event == "import":
-            top = str(args[0]).split(".")[0]
-            if top in self.allowed:
-                return
-        if event == "object.__getattr__" and isinstance(args[1], str) and args[1] in ("__class__",):
-            return
-        what = f"{event}({args[0] if args else ''!s:.60})"
-        where = f"{Path(frame.f_code.co_filename).stem}, line {frame.f_lineno}"
-        self.refused.append(f"{where}: {what}")
-        raise PermissionError(f"grading refuses {what} in a solution cell")
-
-    def trace(self, frame, event, arg):
-        if event == "call" and frame.f_code in self.codes:
-            f = frame.f_back
-            while f is not None:
-                if f.f_code.co_filename in self.learner_files:
-                    self.hits.append(frame.f_code.co_qualname)
-                    break
-                f = f.f_back
-        return None
 
 
 def _cpu() -> float:
@@ -133,12 +67,8 @@ def _resolve(module, expr: str):
 
 def run(job: dict, events: Events) -> None:
     from tinypaged.course import checks
-    from tinypaged.course.grading.scan import ALLOWED_IMPORTS
 
     checks._load_all()
-    for c in checks.REGISTRY.values():  # resolve the references before any learner code runs
-        if c.stage == job["stage"]:
-            c.forbidden_objects()
     cells_dir = Path.cwd() / "cells"
     cells_dir.mkdir(exist_ok=True)
     files = {}
@@ -146,14 +76,12 @@ def run(job: dict, events: Events) -> None:
         path = cells_dir / f"cell_{cell['index']:03d}_{'learner' if cell['learner'] else 'given'}.py"
         path.write_text(cell["source"])
         files[cell["index"]] = str(path)
-    learner_files = {files[c["index"]] for c in job["cells"] if c["learner"]}
-    guard = Guard(learner_files, ALLOWED_IMPORTS)
-    sys.addaudithook(guard.audit)
 
     module = types.ModuleType(MODULE)
     module.__file__ = str(cells_dir / "__init__.py")
     sys.modules[MODULE] = module
-    baseline = set(sys._current_frames())  # Python threads before any learner code ran
+    # the student edition's stubs call the learner's definitions in ``__main__`` (tinypaged.course.handin)
+    sys.modules["__main__"] = module
     stop_cells = job.get("skip_cells_from")
     for cell in job["cells"]:
         i = cell["index"]
@@ -162,16 +90,12 @@ def run(job: dict, events: Events) -> None:
             continue
         events(cell=i, start=True)
         _budget(job.get("cell_cpu", 120))
-        guard.armed = True
         try:
             exec(compile(cell["source"], files[i], "exec"), module.__dict__)
             error = None
         except BaseException as e:  # noqa: BLE001  (SystemExit and KeyboardInterrupt are the learner's too)
             error = f"{type(e).__name__}: {str(e)[:300]}"
-        finally:
-            guard.armed = False
-        events(cell=i, done=True, error=error, refused=guard.refused[:])
-        guard.refused.clear()
+        events(cell=i, done=True, error=error)
 
     skip = set(job.get("skip_calls", []))
     for call in job["calls"]:
@@ -186,57 +110,47 @@ def run(job: dict, events: Events) -> None:
             if stop_cells is not None:  # its cell never ran (an earlier probe died there): no observation
                 events(call=key, skipped=True)
                 continue
-            events(call=key, record={"check": c.name, "hidden": call["hidden"], "reuse": None,
-                                     "outcomes": [{"steps": [], "error": f"NameError: {call['target']} is not defined "
-                                                  "(did its cell fail?)"}]}, refused=[], threads=[])
+            events(call=key, record={"outcomes": [{"steps": [], "error": f"NameError: {call['target']} is not "
+                                                   "defined (did its cell fail?)"}]})
             continue
-        reuse = checks.reuse_of_reference(c, impl)
-        guard.codes = set().union(*(checks._codes_of(r) for r in c.forbidden_objects())) \
-            if (c.trace and reuse is None) else set()
-        guard.hits = []
         outcomes = []
         # a serving check loads and runs a model: it never gets less than SERVING_CPU seconds
         _budget(max(job.get("check_cpu", 300), SERVING_CPU) if c.expected is not None else job.get("check_cpu", 300))
-        for n, case in enumerate(c.cases(call["hidden"])):
+        try:  # a check's cases may use another part of the stage to set up (in the edition: the learner's)
+            cases = c.cases(call["hidden"])
+        except BaseException as e:  # noqa: BLE001
+            todo = checks._mentions_not_implemented(e)
+            events(call=key, record={"outcomes": [{"steps": [], "todo": True} if todo else
+                                                  {"steps": [], "error": f"{type(e).__name__}: {str(e)[:300]}"}]})
+            continue
+        for n, case in enumerate(cases):
             events(call=key, case=n)
-            if guard.codes:
-                sys.settrace(guard.tracer)
-                threading.settrace(guard.tracer)
-            guard.armed = True
             try:
                 outcomes.append(checks.run_case(case, impl))
             except BaseException as e:  # noqa: BLE001  (SystemExit raised by the learner's code)
                 outcomes.append({"steps": [], "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            finally:
-                guard.armed = False
-                if sys.gettrace() is not guard.tracer and guard.codes:
-                    guard.hits.append("(the trace function was replaced)")
-                sys.settrace(None)
-                threading.settrace(None)
-        extra = sorted(set(sys._current_frames()) - baseline)
-        if guard.hits and reuse is None:
-            reuse = f"{c.target} calls the package's own {sorted(set(guard.hits))[0]}"
-        if extra and reuse is None:  # a thread the trace hook may not see could have called anything
-            reuse = f"{len(extra)} thread(s) your code started ran during the check, where grading cannot watch them"
-        record = {"check": c.name, "hidden": call["hidden"], "outcomes": outcomes, "reuse": reuse}
-        events(call=key, record=record, refused=guard.refused[:],
-               threads=[f"{len(extra)} thread(s) of the learner's code still running"] if extra else [])
-        guard.refused.clear()
+        try:
+            events(call=key, record={"outcomes": outcomes})
+        except ValueError:  # a step the learner's code made non-JSON (plain() keeps floats finite): no record
+            events(call=key, record={"outcomes": [{"steps": [], "error": "the observed values are not plain data"}]})
     events(finished=True)
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     os.environ["TINYPAGED_PROBE"] = "1"  # the serving checks print nothing here (see checks/serving.py)
-    job = json.loads(Path(argv[0]).read_text())
-    events = Events(Path(argv[1]))
+    job = json.loads(sys.stdin.read())
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # the job is read: nothing more comes in
+    events = Events(os.dup(1))
+    os.dup2(2, 1)  # the learner's prints go to stderr, not into the events
+    sys.stdout = sys.stderr
     try:
         run(job, events)
     except BaseException:  # noqa: BLE001
         events(probe_error=traceback.format_exc()[-2000:])
         raise
     events.f.close()
-    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # do not run the learner's atexit hooks or thread joins
 
 

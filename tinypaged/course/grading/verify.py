@@ -9,26 +9,137 @@
 3. Here, in the grader's process, the expected results are computed from the package's references (or,
    for the serving checks, transformers) and compared with what the probe observed (``checks.judge``).
 
+Only each case's *steps* cross from the sandbox (with the case's ``todo``/``error`` state and its replay
+note): a record's other claims (``reuse``, a verdict, ``finished``) are ignored, a step value must be plain
+JSON data (numbers, strings, lists, dicts; NaN and inf become strings, so they never equal a number), and a
+record that is malformed or larger than :data:`MAX_RECORD_CHARS` scores 0 for its check with the reason.
+
 Then: a check whose target a solution cell wrote with the package's reference implementation scores 0
-(read in the code, or caught calling it at run time in any thread); every test cell after a solution
+(read in the code here, in the grader's process); every test cell after a solution
 cell that tampers scores 0; a check the grader refused something to (frames, files, ``exec`` ...)
 scores 0; a check that killed its process scores 0 with the reason; a test cell scores
 ``points x (weight of passing cases) / (weight of all cases)``, rounded to 2 decimals.
 
 ``apply_to_notebook`` writes the verdicts into an executed notebook's test cells, in nbgrader's scoring
 language (an error output: 0; a number: partial credit; nothing: full); what the kernel printed there stays,
-as feedback (nbgrader's rule never reads printed text).
+as feedback (nbgrader's rule never reads printed text), except in a test cell with hidden cases. A failed
+hidden check says which case failed, by number, with its hint: never the case's inputs or expected values.
 """
 
 from __future__ import annotations
 
 import ast
+import math
 
 from tinypaged.course import checks
 from tinypaged.course.grading import notebook as nbk
 from tinypaged.course.grading.scan import scan_notebook
 
 GRADE_ERROR = "TinypagedGradeError"
+MAX_RECORD_CHARS = 8 << 20  # a check's evidence (its steps as JSON) beyond this scores 0: a record's size is bounded
+MAX_DEPTH = 32  # nesting of a step value (the references record at most a few levels)
+
+
+class BadEvidence(ValueError):
+    """A record from the sandbox that is not the plain data a case records: the check scores 0 with this reason."""
+
+
+def _plain_data(value, budget: list[int], depth: int = 0):
+    """``value`` as trusted plain data: JSON types only, non-finite floats as their ``repr`` (as
+    :func:`~tinypaged.course.checks.plain` records them), at most ``budget[0]`` characters in all."""
+    budget[0] -= 8
+    if budget[0] < 0:
+        raise BadEvidence(f"the evidence is larger than {MAX_RECORD_CHARS} characters")
+    if depth > MAX_DEPTH:
+        raise BadEvidence(f"a value nests deeper than {MAX_DEPTH} levels")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        budget[0] -= len(str(value)) if abs(value) < 10 ** 18 else 4000
+        if abs(value) >= 1 << 64:
+            raise BadEvidence("an integer larger than 64 bits")
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, str):
+        budget[0] -= len(value)
+        if budget[0] < 0:
+            raise BadEvidence(f"the evidence is larger than {MAX_RECORD_CHARS} characters")
+        return value
+    if isinstance(value, list):
+        return [_plain_data(v, budget, depth + 1) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise BadEvidence("a dict with a key that is not a string")
+        out = {k: _plain_data(v, budget, depth + 1) for k, v in value.items()}
+        if "tensor" in out:  # a tensor as plain() records it: its shape, and that many numbers (or "nan"/"inf")
+            shape, data = out["tensor"], out.get("data")
+            if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                    for n in shape)):
+                raise BadEvidence("a tensor whose shape is not a list of sizes")
+            if not (isinstance(data, list) and len(data) == math.prod(shape)
+                    and all(isinstance(x, (int, float, str)) and not isinstance(x, bool) for x in data)):
+                raise BadEvidence(f"a tensor of shape {tuple(shape)} whose data is not {math.prod(shape)} numbers")
+        return out
+    raise BadEvidence(f"a value of type {type(value).__name__} (only JSON data crosses from the sandbox)")
+
+
+def trusted_record(record, check: str, hidden: int | None, cases: int) -> dict:
+    """The part of a sandbox's record the judge uses: per case, its steps (``[description, value]`` pairs), whether
+    it stopped at the stub (``todo``), its error text and its replay note. Every other claim is dropped (``reuse``,
+    a verdict, a status); anything malformed or oversized raises :class:`BadEvidence` naming what."""
+    outcomes = record.get("outcomes") if isinstance(record, dict) else None
+    if not isinstance(outcomes, list):
+        raise BadEvidence("the record holds no list of outcomes")
+    if len(outcomes) > cases:
+        raise BadEvidence(f"{len(outcomes)} outcomes for {cases} case(s)")
+    budget = [MAX_RECORD_CHARS]
+    clean = []
+    for n, o in enumerate(outcomes):
+        if not isinstance(o, dict):
+            raise BadEvidence(f"outcome {n + 1} is not an object")
+        steps = o.get("steps", [])
+        if not isinstance(steps, list) or not all(isinstance(s, list) and len(s) == 2 and isinstance(s[0], str)
+                                                  for s in steps):
+            raise BadEvidence(f"outcome {n + 1}: steps must be [description, value] pairs")
+        out = {"steps": [[_plain_data(d, budget), _plain_data(v, budget)] for d, v in steps]}
+        if o.get("todo") is True:
+            out["todo"] = True
+        for key, limit in (("error", 400), ("note", checks.MAX_NOTE)):
+            if isinstance(o.get(key), str):
+                out[key] = o[key][:limit]
+        clean.append(out)
+    return {"check": check, "hidden": hidden, "outcomes": clean, "reuse": None}
+
+
+def trusted_evidence(job: dict, evidence) -> dict:
+    """What :func:`score` reads from ``gather``'s result, restricted to the job's own calls and cells (an event
+    the sandbox made up about a call or a cell the job does not have is dropped, never a crash)."""
+    ev = evidence if isinstance(evidence, dict) else {}
+    keys = {c["key"] for c in job["calls"]}
+    cells = {c["index"] for c in job["cells"]}
+
+    def index(k):
+        try:
+            return int(k)
+        except (TypeError, ValueError):
+            return None
+
+    records = {k: v for k, v in (ev.get("records") or {}).items() if k in keys} \
+        if isinstance(ev.get("records"), dict) else {}
+    cell_res = {}
+    for k, v in (ev.get("cells") or {}).items() if isinstance(ev.get("cells"), dict) else ():
+        if index(k) in cells and isinstance(v, dict):
+            cell_res[index(k)] = {"error": v["error"][:400] if isinstance(v.get("error"), str) else None,
+                                  "refused": [r for r in v.get("refused", []) if isinstance(r, str)]
+                                  if isinstance(v.get("refused"), list) else []}
+    kills = [k for k in ev.get("kills", []) if isinstance(k, dict) and isinstance(k.get("why"), str)
+             and (k.get("call") in keys if "call" in k else index(k.get("cell")) in cells if "cell" in k else True)]
+    for k in kills:
+        if not (isinstance(k.get("case"), int) and not isinstance(k.get("case"), bool)):
+            k["case"] = None
+    strings = {name: [r for r in ev.get(name, []) if isinstance(r, str)] for name in ("refused", "threads")}
+    return {"records": records, "cells": cell_res, "kills": kills, **strings}
 
 
 def nbk_code(source: str) -> str:
@@ -88,6 +199,7 @@ def grade(source_nb: dict, submission_nb: dict, stage: str, make_sandbox, cell_c
 
 
 def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
+    evidence = trusted_evidence(job, evidence)
     tamper = [f for f in findings if f.kind == "tamper"]
     for idx, res in sorted(evidence["cells"].items(), key=lambda kv: int(kv[0])):
         for r in res.get("refused", []):
@@ -101,15 +213,12 @@ def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
                 if set(checks.get(name).targets) & set(f.binds):
                     reuse.setdefault(name, []).append(f)
     kills = {k["call"]: k for k in evidence["kills"] if "call" in k}
-    # a piece caught calling a reference at run time taints every check that exercises it (a serving check)
-    caught = {checks.get(r["check"]).target: r["reuse"] for r in evidence["records"].values()
-              if isinstance(r, dict) and r.get("reuse") and r.get("check") in checks.REGISTRY}
     cell_kill = next((k for k in evidence["kills"] if "cell" in k), None)
     tests = []
     for i, cell in enumerate(source_nb["cells"]):
         if nbk.is_test(cell):
             calls = [c for c in job["calls"] if c["cell"] == i]
-            tests.append(_score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse, caught))
+            tests.append(_score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse))
     manual = [{"grade_id": nbk.grade_id(c), "cell": i, "points": nbk.points(c)}
               for i, c in enumerate(source_nb["cells"]) if nbk.is_manual(c)]
     errors = [{"cell": int(i), "grade_id": next((c["grade_id"] for c in job["cells"] if c["index"] == int(i)), None),
@@ -122,10 +231,6 @@ def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
              for f in tamper if isinstance(f, _Runtime)]
     rows += [dict(kind="tamper", cell=None, line=0, what=f"refused at run time: {r}", checks=[], counted=True)
              for r in evidence["refused"] if not r.startswith("cell ")]
-    rows += [dict(kind="reuse", cell=None, line=0, what=f"at run time, check {r['check']}: {r['reuse']}", checks=[r["check"]],
-                  counted=True, runtime=True)
-             for r in {(r["check"], r["reuse"]): r for r in evidence["records"].values()
-                       if isinstance(r, dict) and isinstance(r.get("reuse"), str)}.values()]
     rows += [dict(kind="killed", cell=k.get("cell"), line=0, what=_kill_text(k, job), checks=[], counted=True)
              for k in evidence["kills"]]
     rows += [dict(kind="threads", cell=None, line=0, what=t, checks=[], counted=True) for t in evidence["threads"]]
@@ -161,7 +266,7 @@ def _kill_text(k: dict, job: dict) -> str:
     return f"the checks' process {k['why']}"
 
 
-def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse, caught) -> dict:
+def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse) -> dict:
     pts = nbk.points(cell)
     row = {"grade_id": nbk.grade_id(cell), "cell": i, "points": pts, "score": 0.0, "status": checks.FAIL,
            "message": "", "checks": []}
@@ -196,14 +301,16 @@ def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_ms
                 why = "no result was recorded"
             v = {"check": name, "hidden": hidden, "passed": 0.0, "total": weight, "status": checks.FAIL, "message": why}
         else:
-            v = checks.judge(c, rec, hidden)
+            try:
+                clean = trusted_record(rec, name, hidden, len(c.cases(hidden)))
+                v = _learner_safe(c, clean, hidden, checks.judge(c, clean, hidden))
+            except BadEvidence as e:
+                v = {"check": name, "hidden": hidden, "passed": 0.0, "total": weight, "status": checks.FAIL,
+                     "message": f"the evidence from the sandbox is not valid ({e}): 0 for this check"}
         if name in reuse:
             f = reuse[name][0]
             v.update(passed=0.0, status=checks.FAIL,
                      message=f"uses the package's reference implementation {f.what} (cell {f.cell}, line {f.line})")
-        tainted = sorted(set(c.uses) & set(caught))
-        if tainted and name not in reuse:
-            v.update(passed=0.0, status=checks.FAIL, message=f"uses your {tainted[0]}: {caught[tainted[0]]}")
         if refused:
             v.update(passed=0.0, status=checks.FAIL, message="grading refused what your code asked for: "
                      + refused[0].split(":", 1)[1].strip())
@@ -221,6 +328,23 @@ def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_ms
         where = " (hidden cases)" if first.get("hidden") is not None else ""
         row["message"] = f"{first['check']}{where}: {first['message']}"
     return row
+
+
+def _learner_safe(c, record: dict, hidden: int | None, v: dict) -> dict:
+    """A failed hidden check's message names the case by its number, with the case's hint and the replay note
+    the learner's own run attached: never its inputs or the expected values (those stay in ``detail``, for the
+    instructor's JSON report only)."""
+    if hidden is None or v["status"] != checks.FAIL or not v.get("message"):
+        return v
+    got = record["outcomes"]
+    for n, (case, want) in enumerate(zip(c.cases(hidden), checks.expected_outcomes(c.name, hidden))):
+        if not checks.compare_case(want, got[n] if n < len(got) else None, case.tol)[0]:
+            note = got[n].get("note", "") if n < len(got) else ""
+            v["detail"] = v["message"]
+            v["message"] = f"hidden case {n + 1}: FAIL" + (f" ({case.hint})" if case.hint else "") + \
+                (f"; {note}" if note else "")
+            break
+    return v
 
 
 def _cell_kill_short(k: dict) -> str:
@@ -242,6 +366,9 @@ def apply_to_notebook(nb: dict, report: dict, source_nb: dict) -> dict:
     """Replace every test cell's outputs with the verified verdict, in nbgrader's scoring language; a test
     cell the submission lost (or whose grade_id it changed) is put back from the source at the end."""
     rows = {r["grade_id"]: r for r in report["tests"]}
+    # a test cell with hidden cases keeps nothing its kernel printed (it would show their inputs and answers)
+    secret = {nbk.grade_id(c) for c in source_nb["cells"]
+              if nbk.is_test(c) and any(h is not None for _, _, h in check_calls(nbk.source_of(c)))}
     seen = set()
     for cell in nb["cells"]:
         gid = nbk.grade_id(cell)
@@ -251,7 +378,7 @@ def apply_to_notebook(nb: dict, report: dict, source_nb: dict) -> dict:
             # gives no points to a cell with any stderr (the engine's INFO log line), and the score must come
             # from the verdict alone
             printed = [dict(o, name="stdout") for o in cell.get("outputs", [])
-                       if isinstance(o, dict) and o.get("output_type") == "stream"]
+                       if isinstance(o, dict) and o.get("output_type") == "stream"] if gid not in secret else []
             cell["outputs"] = printed + _outputs(rows[gid], cell.get("execution_count"))
     for ref in source_nb["cells"]:
         gid = nbk.grade_id(ref)
