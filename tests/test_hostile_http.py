@@ -140,8 +140,9 @@ def test_serve_binds_first_serves_and_stops_on_ctrl_c(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env)
+    # the engine in-process (a thread): tests/test_process_server.py runs the default, an engine-core process
+    proc = subprocess.Popen(cmd + ["--port", str(port), "--no-multiprocessing"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -162,6 +163,8 @@ def test_serve_binds_first_serves_and_stops_on_ctrl_c(tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0 and "Traceback" not in err, err
+    assert f"serving model 'tiny' at http://127.0.0.1:{port} (engine core in this process (a thread))" in err, err
+    assert '"POST /v1/completions" 200' in err, err  # the access log: one line per request
 
 
 # -- bodies that are not JSON objects, routes that do not exist --------------------------------------------
@@ -201,6 +204,16 @@ def test_unknown_routes_and_methods_get_openais_error_shape(tiny):
 def test_errors_name_the_field_at_fault(tiny, path, body, param):
     err = openai_error(post(tiny, body, path), 400)
     assert err["param"] == param and (param in err["message"] or param == "prompt"), err
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(tiny):
+    """As vLLM's server: not a silent cap at the context (a greedy request would run to max_model_len)."""
+    err = openai_error(post(tiny, {"prompt": [1, 2], "max_tokens": MAX_MODEL_LEN}), 400)
+    assert err["param"] == "max_tokens", err
+    assert (f"max_tokens is too large: {MAX_MODEL_LEN}. This model's maximum context length is {MAX_MODEL_LEN} "
+            f"tokens and your request has 2 input tokens") in err["message"], err
+    fits = post(tiny, {"prompt": [1, 2], "max_tokens": MAX_MODEL_LEN - 2, "temperature": 0})  # exactly the rest
+    assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] <= MAX_MODEL_LEN - 2
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "temperature", "n", "top_p", "top_k", "seed", "min_tokens"])

@@ -5,6 +5,11 @@
     python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts); again if damaged
     python -m tinypaged serve --model smollm2-135m --port 8000   # an OpenAI-compatible server
 
+``serve`` runs the engine core in its own process, as vLLM v1 (``entrypoints/engine_core.py``);
+``TINYPAGED_ENABLE_MULTIPROCESSING=0`` or ``serve --no-multiprocessing`` steps it on a thread of the server's
+process instead. ``generate`` and ``chat`` (and the offline ``LLM``) always step in-process.
+    python -m tinypaged fleet --replicas 2 --policy cache_aware   # replicas behind vllm-router (stage 9)
+
 A bad argument or knob prints one ``python -m tinypaged generate: error: ...`` line and exits with 2
 (argparse's status for its own errors); no traceback.
 """
@@ -45,21 +50,31 @@ def main(argv=None) -> int:
     ap = Parser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
-    from tinypaged.entrypoints import server
+    from tinypaged.entrypoints import cli_args
 
-    server.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
+    cli_args.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
+    from tinypaged.entrypoints import fleet
+
+    fleet.add_arguments(sub.add_parser("fleet", help="N serve replicas behind vllm-router (other flags: serve's)"))
     for name in ("generate", "chat"):
         g = sub.add_parser(name)
         g.add_argument("prompts", nargs="+", type=prompt)
         g.add_argument("--model", default="smollm2-135m", help="'smollm2-135m', 'tiny' or a local folder")
-        g.add_argument("--max-tokens", type=server.int_at_least(1), default=32)
+        g.add_argument("--max-tokens", type=cli_args.int_at_least(1), default=32)
         g.add_argument("--temperature", type=temperature, default=0.0)
-        g.add_argument("--kv-cache", default="paged", choices=["paged", "contiguous"])
+        g.add_argument("--kv-cache-manager", default="paged", choices=["paged", "contiguous"])
         g.add_argument("--enable-prefix-caching", action="store_true")
         g.add_argument("--attention-backend", default=None, choices=["torch", "sdpa", "triton"],
                        help="torch (reference), sdpa (fused; the default) or triton")
         g.add_argument("--trace", action="store_true", help="print one line per engine step")
-    args = ap.parse_args(argv)
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "fleet":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "fleet":  # the fleet's other flags are its replicas' serve flags: checked here, before any start
+        serve = Parser(prog=f"{PROG} fleet (replica flags)")
+        cli_args.add_arguments(serve)
+        serve.parse_args(["--model", args.model, *rest])
+        args.serve_args = rest
     try:
         return run(args)
     except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
@@ -69,6 +84,10 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.cmd == "fleet":
+        from tinypaged.entrypoints import fleet
+
+        return fleet.run(args, args.serve_args)
     if args.cmd == "serve":
         from tinypaged.entrypoints import server
 
@@ -81,7 +100,7 @@ def run(args) -> int:
     from tinypaged import LLM, SamplingParams
 
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    llm = LLM(args.model, kv_cache=args.kv_cache, enable_prefix_caching=args.enable_prefix_caching,
+    llm = LLM(args.model, kv_cache_manager=args.kv_cache_manager, enable_prefix_caching=args.enable_prefix_caching,
               attention_backend=args.attention_backend)
     on_step = (lambda s: print(s.trace(), file=sys.stderr)) if args.trace else None
     if args.cmd == "chat":

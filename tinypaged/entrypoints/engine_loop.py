@@ -39,6 +39,10 @@ class ShuttingDown(RuntimeError):
     """The loop is draining or stopped and takes no new requests."""
 
 
+class EngineDead(RuntimeError):
+    """The engine core process has died (``CoreClient``); the server answers 503 and exits."""
+
+
 @dataclass
 class Event:
     """What one step produced for one sample of a request (the text is the settled delta)."""
@@ -85,6 +89,8 @@ class EngineLoop:
         self._count_lock = threading.Lock()
         self._ids = itertools.count()
         self._accepting = True
+        # the server's rule (vLLM's): max_tokens beyond the context after the prompt is refused, not capped
+        self.refuse_long_max_tokens = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tinypaged-engine", daemon=True)
 
@@ -112,6 +118,10 @@ class EngineLoop:
             self._count += 1
         try:
             req = self._call(lambda: self.engine.make_request(request_id, prompt, params))
+            if self.refuse_long_max_tokens:
+                from tinypaged.engine.input_processor import check_max_tokens
+
+                check_max_tokens(params.max_tokens, len(req.prompt_token_ids), self.engine.config.max_model_len)
         except BaseException:
             self._end_count()
             raise
@@ -126,6 +136,10 @@ class EngineLoop:
     def call(self, fn):
         """Run ``fn(engine)`` on the loop thread between steps and return its result (metrics snapshots)."""
         return self._call(lambda: fn(self.engine))
+
+    def engine_metrics(self) -> dict:
+        """The engine's ``get_metrics()``, read between two steps (``/metrics``)."""
+        return self.call(lambda engine: engine.get_metrics())
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Stop taking requests and wait until those in flight have ended."""

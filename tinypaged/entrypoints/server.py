@@ -1,6 +1,13 @@
 """``python -m tinypaged serve``: the engine behind an OpenAI-compatible HTTP API (as ``vllm serve``).
 
-FastAPI routes on uvicorn's event loop; one background thread steps the engine (``EngineLoop``).
+FastAPI routes on uvicorn's event loop. The engine runs in one of two ways (``Server``):
+
+* ``serve``'s default, as vLLM v1: the engine core in its own process (``engine_core.py``), reached through
+  ``CoreClient`` (``core_client.py``) over ZeroMQ with msgspec messages; this process does HTTP, validation,
+  tokenization and server-sent events. ``TINYPAGED_ENABLE_MULTIPROCESSING=0`` (vLLM's
+  ``VLLM_ENABLE_V1_MULTIPROCESSING``) or ``--no-multiprocessing`` keeps the engine in-process instead;
+* ``create_app(llm, ...)`` (tests, notebooks) and that in-process mode: one background thread of this
+  process steps the engine (``EngineLoop``), sharing the interpreter with the event loop.
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the model's chat template), with
   ``stream: true`` as server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) and
@@ -27,7 +34,6 @@ then carries its ``token_ids``, as vLLM does; handy for a model without a tokeni
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import errno
@@ -44,9 +50,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinypaged.entrypoints.engine_loop import EngineLoop, Event, Overloaded, ShuttingDown
+from tinypaged.entrypoints.cli_args import build_llm, check_kv_events, core_args, multiprocessing_enabled
+from tinypaged.entrypoints.core_client import CoreClient
+from tinypaged.entrypoints.engine_loop import EngineDead, EngineLoop, Event, Overloaded, ShuttingDown
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.entrypoints.server_metrics import ServerMetrics
+from tinypaged.entrypoints.streaming import sse_stream
 
 logger = logging.getLogger("tinypaged")
 
@@ -175,33 +184,67 @@ def validation_error(errors: list) -> APIError:
 
 # -- the app -------------------------------------------------------------------------------------------
 class Server:
-    """The routes' shared state: the engine loop, its tokenizer, metrics and the served name."""
+    """The routes' shared state: the engine loop, its tokenizer, metrics and the served name.
 
-    def __init__(self, llm, model_name: str, max_queued: int = 256):
-        self.llm, self.model_name = llm, model_name
-        self.engine = llm.llm_engine
+    ``engine`` is an ``LLM`` (its engine stepped by a thread of this process, ``EngineLoop``) or a started
+    ``CoreClient`` (the engine core in its own process; ``self.engine`` is then None)."""
+
+    def __init__(self, engine, model_name: str, max_queued: int = 256):
+        self.model_name = model_name
         self.metrics = ServerMetrics(model_name)
         self._tok = None
-        self.loop = EngineLoop(self.engine, self.engine.detokenizer.stream_text, max_queued, self.metrics)
+        if isinstance(engine, CoreClient):
+            if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+                raise ValueError(f"max_queued (--max-queued-requests) must be an integer >= 0, got {max_queued!r}")
+            self.llm, self.engine, self.loop = None, None, engine
+            engine.max_queued, engine.observer = max_queued, self.metrics
+            self.max_model_len, max_num_seqs = engine.max_model_len, engine.max_num_seqs
+        else:
+            self.llm, self.engine = engine, engine.llm_engine
+            self.loop = EngineLoop(self.engine, self.engine.detokenizer.stream_text, max_queued, self.metrics)
+            self.loop.refuse_long_max_tokens = True  # a 400 naming both numbers, as vLLM's server
+            self.max_model_len, max_num_seqs = self.engine.config.max_model_len, self.engine.config.max_num_seqs
         self.metrics.watch(self.loop)
         self.created = int(time.time())
         # the size bounds (module docstring), fixed before the loop starts: checks cost O(1) on the event loop
-        config = self.engine.config
-        self.max_model_len = config.max_model_len
         tok = self.tokenizer
         longest = 0 if isinstance(tok, _NoTokenizer) else max(map(len, tok.get_vocab()), default=0)
         self.max_prompt_chars = 2 * longest * self.max_model_len if longest else None  # None: ids only
         per_prompt = max(12 * (self.max_prompt_chars or 0), 16 * self.max_model_len)  # ids: "1234567, "
-        self.max_body_bytes = 2**20 + per_prompt * (config.max_num_seqs + max_queued)
+        self.max_body_bytes = 2**20 + per_prompt * (max_num_seqs + max_queued)
 
     @property
     def tokenizer(self):
         if self._tok is None:
-            try:
-                self._tok = self.engine.tokenizer
-            except ValueError:
-                self._tok = _NoTokenizer()
+            if self.engine is None:  # the core runs elsewhere: this process loads its own copy
+                from tinypaged.model.loader import load_tokenizer
+
+                self._tok = load_tokenizer(self.loop.model) or _NoTokenizer()
+            else:
+                try:
+                    self._tok = self.engine.tokenizer
+                except ValueError:
+                    self._tok = _NoTokenizer()
         return self._tok
+
+    def engine_prompt(self, request_id: str, prompt):
+        """The prompt as the engine core takes it: text is tokenized here (off the core's step loop), so the
+        core only validates. Unchanged for the in-process loop (the engine tokenizes)."""
+        if self.engine is not None:
+            return prompt
+        if isinstance(prompt, str):
+            prompt = {"prompt": prompt}
+        if "prompt_token_ids" in prompt:
+            return prompt
+        text = prompt["prompt"]
+        if isinstance(self.tokenizer, _NoTokenizer):
+            raise ValueError(f"Model {self.model_name!r} ships no tokenizer: send the prompt as token ids")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800") has no UTF-8 form to tokenize
+            raise ValueError(f"Request {request_id}: the prompt is not valid Unicode text: {text[e.start:e.end]!r} "
+                             f"at character {e.start} is a lone surrogate") from None
+        return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
     # prompts -> engine prompts ----------------------------------------------------------------
     def completion_prompts(self, req: CompletionRequest) -> list:
@@ -322,13 +365,21 @@ async def _parse(request: Request, server: Server, model: type[_Sampling]) -> _S
     return req
 
 
-def create_app(llm, model_name: str, max_queued: int = 256):
-    """The ASGI app around one ``LLM`` (its engine is stepped by the app's own loop thread)."""
+def create_app(llm, model_name: str, max_queued: int = 256, stream=None, access_log: bool = False,
+               banner: str | None = None):
+    """The ASGI app around one ``LLM`` (its engine is stepped by the app's own loop thread) or a started
+    ``CoreClient`` (the engine core process). ``stream``: the function that turns a call's events into server-sent
+    events (default ``streaming.sse_stream``; stage 8's learners' own). ``access_log``: one line per request on the
+    ``tinypaged`` logger; ``banner``: a line logged once the app has started (serve's URL and model)."""
     server = Server(llm, model_name, max_queued)
+    server.sse_stream = stream or sse_stream
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        server.loop.start()
+        if isinstance(server.loop, EngineLoop):
+            server.loop.start()
+        if banner:
+            logger.info("%s", banner)
         yield
         drained = server.loop.drain(timeout=30)  # uvicorn has already waited for open responses
         server.loop.stop()
@@ -336,6 +387,8 @@ def create_app(llm, model_name: str, max_queued: int = 256):
 
     app = FastAPI(title="tinypaged", lifespan=lifespan)
     app.state.server = server
+    if access_log:
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -367,13 +420,18 @@ def create_app(llm, model_name: str, max_queued: int = 256):
 
     @app.get("/health")
     async def health():
+        dead = getattr(server.loop, "dead", None)
+        if dead is not None:
+            err = APIError(503, f"the engine core process has died ({dead}); the server is exiting", None,
+                           "engine_dead")
+            return JSONResponse(error_body(err), status_code=503)
         return Response(status_code=200)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
                                             "owned_by": "tinypaged",
-                                            "max_model_len": server.engine.config.max_model_len}]}
+                                            "max_model_len": server.max_model_len}]}
 
     @app.get("/metrics")
     async def metrics():
@@ -395,6 +453,19 @@ def create_app(llm, model_name: str, max_queued: int = 256):
         params = _params(req, max_tokens, chat=True)
         return await _serve(server, request, req, [server.chat_prompt(req)], params, chat=True)
 
+    @app.post("/v1/completions/render")
+    async def render_completions(request: Request):
+        """vLLM's render API: each prompt's token ids, nothing generated (vllm-router's kv_aware asks it, stage 9)."""
+        req = await _parse(request, server, CompletionRequest)
+        out = []
+        for i, prompt in enumerate(server.completion_prompts(req)):
+            if isinstance(prompt, str):
+                if isinstance(server.tokenizer, _NoTokenizer):
+                    raise APIError(400, f"model {model_name!r} has no tokenizer: send token ids", "prompt")
+                prompt = {"prompt_token_ids": await asyncio.to_thread(server.tokenizer.encode, prompt)}
+            out.append({"request_id": f"render-{i}", "token_ids": list(prompt["prompt_token_ids"])})
+        return out
+
     return app
 
 
@@ -413,8 +484,10 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
     try:
         for i, prompt in enumerate(prompts):
             rid = f"{call_id}-{i}"
-            sub = await asyncio.to_thread(server.loop.submit, rid, prompt, params,
-                                          lambda ev, i=i: aio.call_soon_threadsafe(events.put_nowait, (i, ev)))
+            deliver = (lambda ev, i=i: aio.call_soon_threadsafe(events.put_nowait, (i, ev)))
+            sub = await asyncio.to_thread(
+                lambda rid=rid, prompt=prompt, deliver=deliver:
+                    server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver))
             subs.append(sub)
     except (ValueError, TypeError, NotImplementedError) as exc:
         _abort(server, subs)
@@ -425,6 +498,8 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
     except ShuttingDown as exc:
         _abort(server, subs)
         raise APIError(503, str(exc), None, "server_shutting_down") from None
+    except EngineDead as exc:
+        raise APIError(503, str(exc), None, "engine_dead") from None
     call = _Call(server, call_id, chat, len(prompts) * params.n, params.n, req.return_token_ids, subs)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -504,169 +579,55 @@ class _Call:
                 "created": self.created, "model": self.server.model_name,
                 "choices": [self._body_choice(c) for c in range(self.num_choices)], "usage": self.usage()}
 
+    def piece(self, c: int, ev: Event) -> dict:
+        """Choice ``c``'s part of the streamed chunk for ``ev`` (after ``_take`` has booked it)."""
+        reason, stop_reason = self.finish[c] if ev.finished else (None, None)
+        out: dict[str, Any] = {"index": c, "logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
+        if self.chat:
+            out["delta"] = {"content": ev.text} if ev.text else {}
+        else:
+            out["text"] = ev.text
+        if self.with_ids:
+            out["token_ids"] = ev.token_ids
+        return out
+
     def _chunk(self, choices: list, usage=None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.server.model_name, "choices": choices, "usage": usage}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def stream(self, events: asyncio.Queue, include_usage: bool):
-        """SSE chunks as tokens settle; closing the stream early (a disconnect) aborts the call."""
+    def stream(self, events: asyncio.Queue, include_usage: bool):
+        """SSE chunks as tokens settle; closing the stream early (a disconnect) aborts the call. The server's
+        stream function (``create_app(stream=...)``; default ``streaming.sse_stream``, stage 8's assignment)."""
+        return self.server.sse_stream(self, events, include_usage)
+
+
+class AccessLog:
+    """One line per request once its response has ended (uvicorn's access log, with the duration of a stream):
+    ``127.0.0.1:50312 "POST /v1/completions" 200 0.412s``. ``serve --no-access-log`` turns it off."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+
+        async def send_and_note(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
         try:
-            if self.chat:
-                yield self._chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None} for c in range(self.num_choices)])
-            while len(self.done) < self.num_choices:
-                i, ev = await events.get()
-                was_done = set(self.done)
-                c = self._take(i, ev)
-                if self.error is not None:
-                    err = error_body(APIError(500, f"the engine failed: {self.error}", None, "internal_error"))
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                if ev.text or ev.token_ids or (ev.finished and c not in was_done):
-                    reason, stop_reason = self.finish[c] if ev.finished else (None, None)
-                    piece: dict[str, Any] = {"index": c, "logprobs": None, "finish_reason": reason,
-                                             "stop_reason": stop_reason}
-                    if self.chat:
-                        piece["delta"] = {"content": ev.text} if ev.text else {}
-                    else:
-                        piece["text"] = ev.text
-                    if self.with_ids:
-                        piece["token_ids"] = ev.token_ids
-                    yield self._chunk([piece])
-            if include_usage and self.error is None:
-                yield self._chunk([], self.usage())
-            yield "data: [DONE]\n\n"
+            await self.app(scope, receive, send_and_note)
         finally:
-            if len(self.done) < self.num_choices:
-                _abort(self.server, self.subs)
+            client = scope.get("client") or ("-", 0)
+            logger.info('%s:%s "%s %s" %d %.3fs', client[0], client[1], scope["method"], scope["path"], status[0],
+                        time.perf_counter() - start)
 
 
 # -- command line -------------------------------------------------------------------------------------
-def port_number(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is a number in 1..65535, got {value}")
-    return value
-
-
-def int_at_least(lowest: int):
-    """An argparse type: an integer >= ``lowest``, or a one-line error naming what was given."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < lowest:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {value}")
-        return value
-
-    return parse
-
-
-def plugin(text: str):
-    """An argparse type: ``MODULE:NAME`` or ``path/to/file.py:NAME``, loaded at once, so a bad one is a one-line
-    error naming its flag before the model is loaded."""
-    try:
-        return load_object(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def attention_backend(text: str):
-    if text in ("torch", "sdpa", "triton"):
-        return text
-    if ":" not in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give torch, sdpa, triton, or MODULE:NAME of a decode function")
-    return plugin(text)
-
-
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=port_number, default=8000)
-    ap.add_argument("--max-queued-requests", type=int_at_least(0), default=256,
-                    help="requests that may wait beyond max_num_seqs before the server answers 503 (course)")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    ap.add_argument("--enable-prefix-caching", action="store_true")
-    ap.add_argument("--kv-cache-manager", default=None, metavar="MODULE:NAME", type=plugin,
-                    help="a KV-manager factory to plug in (e.g. a learner's, from a .py file: path/to/file.py:Name)")
-    ap.add_argument("--scheduling-policy", default=None, metavar="MODULE:NAME", type=plugin)
-    ap.add_argument("--attention-backend", default=None, type=attention_backend,
-                    help="torch (reference), sdpa (torch's fused attention), triton, or MODULE:NAME of a decode "
-                         "function (default: sdpa, the fast path)")
-
-
-def load_object(spec: str):
-    """``package.module:name`` or ``path/to/file.py:name`` -> the object. Whatever goes wrong (no such module or
-    file, an error while running it, no such name) is a ValueError whose one line says what and where."""
-    import importlib
-    import importlib.util
-    import pathlib
-    import traceback
-
-    if ":" not in spec:
-        raise ValueError(f"{spec!r}: give MODULE:NAME or path/to/file.py:NAME")
-    where, name = spec.rsplit(":", 1)
-    if not where or not name:
-        raise ValueError(f"{spec!r}: give MODULE:NAME or path/to/file.py:NAME")
-    path = pathlib.Path(where)
-    if where.endswith(".py") and not path.is_file():
-        raise ValueError(f"{where}: no such file")
-    try:
-        if where.endswith(".py"):
-            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(mod_spec)
-            mod_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ModuleNotFoundError as exc:
-        if exc.name and (where == exc.name or where.startswith(exc.name + ".")):  # not one that it imports
-            raise ValueError(f"no module named {exc.name!r} (give MODULE:NAME of an importable module, "
-                             f"or path/to/file.py:NAME)") from None
-        raise ValueError(f"importing {where} failed: {type(exc).__name__}: {exc}") from None
-    except BaseException as exc:  # noqa: BLE001 - the plug-in's own code failed (SyntaxError, NameError, exit())
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        frames = traceback.extract_tb(exc.__traceback__)
-        at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-        if isinstance(exc, SyntaxError):
-            at = f" (at {exc.filename}:{exc.lineno})"
-        raise ValueError(f"importing {where} failed: {type(exc).__name__}: {exc}{at}") from None
-    if not hasattr(module, name):
-        raise ValueError(f"{where} has no {name!r}")
-    return getattr(module, name)
-
-
-def build_llm(args):
-    from tinypaged import LLM
-
-    knobs = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                 num_gpu_blocks_override=args.num_gpu_blocks_override,
-                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
-                 history_size=0)
-    # the plug-in flags hold the loaded objects (``plugin``); a string (a caller's own namespace) is loaded here
-    for flag in ("kv_cache_manager", "scheduling_policy", "attention_backend"):
-        value = getattr(args, flag)
-        if value is not None:
-            if isinstance(value, str) and value not in ("torch", "triton"):
-                value = load_object(value)
-            knobs[flag] = value
-    return LLM(args.model, **knobs)
-
-
 class ServerThread:
     """The app on uvicorn in a background thread, on 127.0.0.1 and a free port (tests, benchmarks,
     notebooks); ``close()`` shuts it down the way Ctrl-C does."""
@@ -724,21 +685,53 @@ def bind_socket(host: str, port: int):
     return sock
 
 
+DEATH_GRACE_S = 2.0  # after the engine core dies: 503s and error events for this long, then the server exits
+
+
 def serve(args) -> int:
+    import threading
+
     import uvicorn
+
+    from tinypaged.engine.llm_engine import configure_logging
 
     if args.max_queued_requests < 0:  # before the model loads (the parser refuses it too)
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    check_kv_events(args)
+    in_process = not multiprocessing_enabled(args)
     sock = bind_socket(args.host, args.port)
+    client = None
+    server = None
     try:
-        llm = build_llm(args)
-        app = create_app(llm, args.served_model_name or args.model, args.max_queued_requests)
+        configure_logging()
+        name = args.served_model_name or args.model
+        if in_process:
+            engine, where = build_llm(args), "in this process (a thread)"
+        else:
+            def on_death(why):  # on the client's reader thread: let streams end and new requests see 503s
+                def leave():
+                    if server is not None:
+                        server.should_exit = True
+
+                threading.Timer(DEATH_GRACE_S, leave).start()
+
+            client = CoreClient(core_args(args), args.max_queued_requests, on_death=on_death).start()
+            engine, where = client, f"in its own process (pid {client.pid})"
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        banner = f"serving model {name!r} at http://{host}:{args.port} (engine core {where}); Ctrl-C to stop"
+        app = create_app(engine, name, args.max_queued_requests, access_log=getattr(args, "access_log", True),
+                         banner=banner)
         # uvicorn handles Ctrl-C: it stops accepting, lets open responses finish, then runs the
-        # lifespan's shutdown (the engine loop drains and stops)
+        # lifespan's shutdown (the engine loop drains and stops; the core process is shut down)
         server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                timeout_graceful_shutdown=30))
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C again once it has shut down
             server.run(sockets=[sock])
     finally:
         sock.close()
+        if client is not None:
+            client.stop()  # idempotent: no engine core outlives the server
+    if client is not None and client.dead is not None:
+        logger.error("exiting: the engine core process died (%s)", client.dead)
+        return 1
     return 0 if server.started else 3  # 3: uvicorn's "startup failed" (the app's lifespan raised, say)

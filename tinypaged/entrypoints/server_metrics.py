@@ -27,13 +27,13 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class _EngineState:
-    """Collects the scrape-time figures from the engine (on its loop thread, via ``loop.call``)."""
+    """Collects the scrape-time figures from the engine between two steps (``loop.engine_metrics()``)."""
 
     def __init__(self, loop, model_name: str):
         self.loop, self.labels = loop, {"model_name": model_name}
 
     def collect(self):
-        m = self.loop.call(lambda engine: engine.get_metrics())
+        m = self.loop.engine_metrics()  # EngineLoop: on its thread; CoreClient: a message to the core
         names = ["model_name"]
         for name, doc, value in (("vllm:num_requests_running", "Sequences running.", m["num_running"]),
                                  ("vllm:num_requests_waiting", "Sequences waiting.", m["num_waiting"]),

@@ -149,6 +149,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.compiled = None  # enforce_eager=False: the same forward, compiled (tinypaged.model.compiled)
 
     @property
     def num_layers(self) -> int:
@@ -156,6 +157,8 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, ctx, logits_indices=None) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled(input_ids, positions, ctx, logits_indices)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:

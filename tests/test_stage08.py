@@ -1,0 +1,96 @@
+"""Stage 8's assignment: the server streams through the function given to ``create_app(stream=...)``, and the checks
+of ``sse_stream`` can fail where it matters (a stream that never aborts, one that forgets ``[DONE]``).
+
+The generic properties (the reference passes, a stub is "not implemented yet", the reference is refused, hidden
+cases depend on the seed) are in tests/test_checks.py; grading the solution and the exercise is in
+tests/test_grading.py."""
+
+import types
+
+from tinypaged.course import checks
+from tinypaged.entrypoints import streaming
+from tinypaged.entrypoints.streaming import DONE, chunk, error_event, role_piece, sse_line
+
+
+def learners_copy(**replace):
+    """The reference's code under the learner's name, with some of its helpers replaced."""
+    names = dict(vars(streaming), **replace)
+    return types.FunctionType(streaming.sse_stream.__code__, names, "sse_stream")
+
+
+async def never_aborts(call, events, include_usage):
+    """The reference's stream without its ``finally``: a client that hangs up leaves its requests running."""
+    if call.chat:
+        yield sse_line(chunk(call, [role_piece(c) for c in range(call.num_choices)]))
+    while len(call.done) < call.num_choices:
+        prompt_idx, ev = await events.get()
+        was_done = set(call.done)
+        c = call._take(prompt_idx, ev)
+        if call.error is not None:
+            yield sse_line(error_event(call.error))
+            break
+        if ev.text or ev.token_ids or (ev.finished and c not in was_done):
+            yield sse_line(chunk(call, [call.piece(c, ev)]))
+    if include_usage and call.error is None:
+        yield sse_line(chunk(call, [], call.usage()))
+    yield DONE
+
+
+def test_a_stream_that_never_aborts_fails_on_the_hang_up_and_the_error():
+    status, msg = checks.evaluate("sse_stream", never_aborts, detect=False)
+    assert status == checks.FAIL and "requests aborted" in msg and "expected [" in msg, msg
+    status, msg = checks.evaluate("sse_stream", never_aborts, hidden=24680, detect=False)
+    assert status == checks.FAIL, msg
+
+
+def test_a_stream_without_done_fails_naming_the_lines():
+    status, msg = checks.evaluate("sse_stream", learners_copy(DONE="data: [done]\n\n"), detect=False)
+    assert status == checks.FAIL and "the stream's lines" in msg and "case 'a completion, with usage'" in msg, msg
+
+
+def test_the_server_streams_through_the_given_function():
+    """serve_sse on a copy of the reference (so the server's default is not what runs): full marks over HTTP, and
+    every line the clients got went through the copy's ``sse_line``."""
+    sent = []
+
+    def counting_line(obj):
+        sent.append(obj)
+        return streaming.sse_line(obj)
+
+    status, msg = checks.evaluate("serve_sse", learners_copy(sse_line=counting_line), detect=False)
+    assert status == checks.PASS, msg
+    assert len(sent) >= 2 * 8 + 1 and any(s.get("usage") for s in sent if isinstance(s, dict))
+
+
+def test_student_edition_hands_the_stream_over_and_closes_it_on_hang_up(monkeypatch):
+    """In the student edition ``sse_stream`` stays an async generator that yields the learner's lines, and closing
+    it early closes theirs at once (their ``finally`` aborts the call)."""
+    import asyncio
+    import inspect
+    import sys
+    from pathlib import Path
+
+    from tinypaged.course import student_edition as se
+
+    text = se.stub_file(Path(streaming.__file__).read_text(), [("sse_stream", "08_serve_over_http", "sse_stream")])
+    edition: dict = {}
+    exec(compile(text, "<edition streaming.py>", "exec"), edition)
+    closed = []
+
+    async def theirs(call, events, include_usage):
+        try:
+            yield "data: 1\n\n"
+            yield "data: 2\n\n"
+        finally:
+            closed.append(call)
+
+    monkeypatch.setattr(sys.modules["__main__"], "sse_stream", theirs, raising=False)
+    assert inspect.isasyncgenfunction(edition["sse_stream"])
+
+    async def hang_up_after_one():
+        stream = edition["sse_stream"]("call", None, False)
+        first = await anext(stream)
+        await stream.aclose()
+        return first
+
+    assert asyncio.run(hang_up_after_one()) == "data: 1\n\n" and closed == ["call"]

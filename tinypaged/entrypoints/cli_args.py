@@ -1,0 +1,234 @@
+"""The serve command's flags, and the engine they describe: shared by the server process and the engine core.
+
+``add_arguments`` declares ``python -m tinypaged serve``'s flags (vLLM's names where vLLM has the knob); each
+flag's type checks it at parse time, so a bad value is a one-line error naming the flag before any model loads.
+``build_llm`` turns parsed flags into the ``LLM`` (in the server process with ``--no-multiprocessing``, else in
+the engine core process, from ``core_args``: the flags as JSON values, plug-ins as their ``MODULE:NAME`` spec).
+vLLM keeps the same split: ``vllm/engine/arg_utils.py`` and ``vllm/entrypoints/openai/cli_args.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+KV_MANAGERS = ("paged", "contiguous")  # --kv-cache-manager's built-in names (EngineConfig's)
+BACKENDS = ("torch", "sdpa", "triton")  # --attention-backend's built-in names
+
+
+def port_number(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number in 1..65535, got {value}")
+    return value
+
+
+def int_at_least(lowest: int):
+    """An argparse type: an integer >= ``lowest``, or a one-line error naming what was given."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {value}")
+        return value
+
+    return parse
+
+
+class PluginSpec(str):
+    """A plug-in flag's ``MODULE:NAME`` text with the object it names (``.obj``): the in-process engine uses the
+    object, the engine core process loads the spec again in its own interpreter."""
+
+    obj: Any = None
+
+
+def plugin(text: str):
+    """An argparse type: ``MODULE:NAME`` or ``path/to/file.py:NAME``, loaded at once, so a bad one is a one-line
+    error naming its flag before the model is loaded."""
+    try:
+        spec = PluginSpec(text)
+        spec.obj = load_object(text)
+        return spec
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def kv_cache_manager(text: str):
+    """An argparse type: ``paged``, ``contiguous``, or ``MODULE:NAME`` of a KV-manager factory (a plug-in)."""
+    if text in KV_MANAGERS:
+        return text
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give paged, contiguous, or MODULE:NAME of a KV-manager factory")
+    return plugin(text)
+
+
+def attention_backend(text: str):
+    if text in BACKENDS:
+        return text
+    if ":" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: give torch, sdpa, triton, or MODULE:NAME of a decode function")
+    return plugin(text)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=port_number, default=8000)
+    ap.add_argument("--max-queued-requests", type=int_at_least(0), default=256,
+                    help="requests that may wait beyond max_num_seqs before the server answers 503 (course)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--kv-cache-manager", default=None, type=kv_cache_manager,
+                    help="paged (default), contiguous, or MODULE:NAME of a KV-manager factory to plug in (e.g. a "
+                         "learner's, from a .py file: path/to/file.py:Name)")
+    ap.add_argument("--scheduling-policy", default=None, metavar="MODULE:NAME", type=plugin)
+    ap.add_argument("--attention-backend", default=None, type=attention_backend,
+                    help="torch (reference), sdpa (torch's fused attention), triton, or MODULE:NAME of a decode "
+                         "function (default: sdpa, the fast path)")
+    ap.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false", default=None,
+                    help="step the engine on a thread of the server's process instead of in its own engine-core "
+                         "process (default: TINYPAGED_ENABLE_MULTIPROCESSING, on unless set to 0)")
+    ap.add_argument("--no-access-log", dest="access_log", action="store_false",
+                    help="no line per request (as uvicorn's --no-access-log)")
+    ap.add_argument("--kv-events-config", default=None, type=kv_events_config, metavar="JSON",
+                    help="publish KV cache events as vLLM does (stage 9), e.g. '{\"enable_kv_cache_events\": true, "
+                         "\"endpoint\": \"tcp://127.0.0.1:5557\"}' (entrypoints/kv_events.py)")
+
+
+def kv_events_config(text: str):
+    """An argparse type: ``--kv-events-config``'s JSON, checked field by field before the model loads."""
+    from tinypaged.entrypoints.kv_events import parse_config
+
+    try:
+        return parse_config(text)
+    except ValueError as exc:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(re.sub(r"^--kv-events-config:? ", "", str(exc))) from None
+
+
+def check_kv_events(args) -> None:
+    """``--kv-events-config`` with events on needs the prefix cache: refused before the model loads."""
+    events = getattr(args, "kv_events_config", None)
+    if isinstance(events, str):  # a caller's own namespace (the engine core's)
+        from tinypaged.entrypoints.kv_events import parse_config
+
+        events = parse_config(events)
+    if events is not None and events.enabled and not args.enable_prefix_caching:
+        raise ValueError("--kv-events-config: KV events describe the prefix cache: add --enable-prefix-caching")
+
+
+def load_object(spec: str):
+    """``package.module:name`` or ``path/to/file.py:name`` -> the object. Whatever goes wrong (no such module or
+    file, an error while running it, no such name) is a ValueError whose one line says what and where."""
+    import importlib
+    import importlib.util
+    import pathlib
+    import traceback
+
+    if ":" not in spec:
+        raise ValueError(f"{spec!r}: give MODULE:NAME or path/to/file.py:NAME")
+    where, name = spec.rsplit(":", 1)
+    if not where or not name:
+        raise ValueError(f"{spec!r}: give MODULE:NAME or path/to/file.py:NAME")
+    path = pathlib.Path(where)
+    if where.endswith(".py") and not path.is_file():
+        raise ValueError(f"{where}: no such file")
+    try:
+        if where.endswith(".py"):
+            mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            mod_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ModuleNotFoundError as exc:
+        if exc.name and (where == exc.name or where.startswith(exc.name + ".")):  # not one that it imports
+            raise ValueError(f"no module named {exc.name!r} (give MODULE:NAME of an importable module, "
+                             f"or path/to/file.py:NAME)") from None
+        raise ValueError(f"importing {where} failed: {type(exc).__name__}: {exc}") from None
+    except BaseException as exc:  # noqa: BLE001 - the plug-in's own code failed (SyntaxError, NameError, exit())
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        frames = traceback.extract_tb(exc.__traceback__)
+        at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        if isinstance(exc, SyntaxError):
+            at = f" (at {exc.filename}:{exc.lineno})"
+        raise ValueError(f"importing {where} failed: {type(exc).__name__}: {exc}{at}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"{where} has no {name!r}")
+    return getattr(module, name)
+
+
+def build_llm(args):
+    from tinypaged import LLM
+
+    knobs = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                 kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
+                 history_size=0)
+    # the plug-in flags hold the loaded objects (``plugin``); a string (a caller's own namespace) is loaded here
+    for flag in ("kv_cache_manager", "scheduling_policy", "attention_backend"):
+        value = getattr(args, flag)
+        if value is not None:
+            if isinstance(value, PluginSpec) and value.obj is not None:
+                value = value.obj
+            elif isinstance(value, str) and value not in BACKENDS + KV_MANAGERS:
+                value = load_object(value)
+            knobs[flag] = value
+    events = getattr(args, "kv_events_config", None)
+    if isinstance(events, str):  # a caller's own namespace
+        from tinypaged.entrypoints.kv_events import parse_config
+
+        events = parse_config(events)
+    check_kv_events(args)
+    llm = LLM(args.model, **knobs)
+    if events is not None and events.enabled:
+        from tinypaged.entrypoints import kv_events
+
+        kv_events.attach(llm.llm_engine, events)  # published after each engine step, where the engine steps
+    return llm
+
+
+def multiprocessing_enabled(args) -> bool:
+    """``--no-multiprocessing``, else ``TINYPAGED_ENABLE_MULTIPROCESSING`` (as vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING``:
+    on unless "0"), for serve only: the offline ``LLM`` always steps in-process."""
+    import os
+
+    if getattr(args, "multiprocessing", None) is not None:
+        return bool(args.multiprocessing)
+    value = os.environ.get("TINYPAGED_ENABLE_MULTIPROCESSING", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"TINYPAGED_ENABLE_MULTIPROCESSING must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def core_args(args) -> dict:
+    """serve's arguments as the engine core process gets them (JSON): plug-ins as their spec, loaded there."""
+    import dataclasses
+
+    out = {}
+    for name in ("model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching", "kv_cache_manager",
+                 "scheduling_policy", "attention_backend", "kv_events_config"):
+        value = getattr(args, name, None)
+        if dataclasses.is_dataclass(value):  # --kv-events-config, parsed: back to its JSON
+            value = json.dumps(dataclasses.asdict(value))
+        elif value is not None and not isinstance(value, (str, int, float, bool)):
+            raise ValueError(f"--{name.replace('_', '-')}: the engine core process loads plug-ins by their "
+                             f"MODULE:NAME spec; got an object ({value!r}): give its spec, or --no-multiprocessing")
+        out[name] = str(value) if isinstance(value, str) else value
+    return out

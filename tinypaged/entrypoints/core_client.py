@@ -1,0 +1,298 @@
+"""The server's side of the engine core process (vLLM v1's ``AsyncMPClient``).
+
+``CoreClient`` has the interface the server uses from ``EngineLoop`` (``submit``, ``abort``, ``drain``,
+``stop``, ``num_in_flight``, ``engine_metrics``), so the routes do not know which one they talk to. It
+starts ``engine_core.py`` as a child process, binds the two ZeroMQ sockets (``ipc://`` in a private temporary
+folder; ``tcp://127.0.0.1`` where there is no ipc), and runs one reader thread that decodes the core's
+messages and hands each event to its request's ``deliver`` (as ``EngineLoop``'s thread does).
+
+* ``submit`` sends ``Add`` and waits for ``Added`` or ``Rejected`` (the engine's own checks), so a bad request
+  is refused before it is queued and nothing else is disturbed;
+* the core process dying is noticed within 0.1 s: every open request ends with an error event, new ones are
+  refused (``EngineDead``, a 503), and ``on_death`` is called (``serve`` then exits non-zero);
+* ``stop`` sends ``Shutdown``, waits for the process, and kills it if it does not go.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import Future
+from types import SimpleNamespace
+
+import msgspec
+
+from tinypaged.entrypoints import engine_core as msg
+from tinypaged.entrypoints.engine_loop import EngineDead, Event, Overloaded, ShuttingDown, Submission
+from tinypaged.sequence import FinishReason
+
+logger = logging.getLogger("tinypaged")
+
+
+class CoreClient:
+    def __init__(self, args: dict, max_queued: int = 256, observer=None, on_death=None,
+                 startup_timeout: float = 900.0):
+        """``args``: serve's arguments as JSON values (``cli_args.core_args``; plug-ins as their MODULE:NAME spec)."""
+        if isinstance(max_queued, bool) or not isinstance(max_queued, int) or max_queued < 0:
+            raise ValueError(f"max_queued (--max-queued-requests) must be an integer >= 0, got {max_queued!r}")
+        self.args, self.model, self.max_queued = args, args["model"], max_queued
+        self.observer, self.on_death, self.startup_timeout = observer, on_death, startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.max_model_len = self.max_num_seqs = 0
+        self.dead: str | None = None  # why the core process ended, once it has
+        self._live: dict[str, Submission] = {}
+        self._lock = threading.Lock()  # guards _live, _count, _pending and the input socket
+        self._count = 0
+        self._pending: dict[object, Future] = {}  # request id / metrics ticket -> its reply
+        self._ids = itertools.count()
+        self._tickets = itertools.count()
+        self._accepting = True
+        self._stopping = False
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(msg.FromCore)
+        self._reader: threading.Thread | None = None
+
+    # -- start-up ------------------------------------------------------------------------------------
+    def start(self) -> "CoreClient":
+        """Start the core process and wait until its engine is loaded; a bad knob or model is a ValueError
+        with the engine's message (the process has exited)."""
+        import zmq
+
+        self._ctx = zmq.Context()
+        self._in = self._ctx.socket(zmq.PUSH)  # to the core
+        self._out = self._ctx.socket(zmq.PULL)  # from the core
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._dir = None
+        if sys.platform == "win32":
+            in_addr = f"tcp://127.0.0.1:{self._in.bind_to_random_port('tcp://127.0.0.1')}"
+            out_addr = f"tcp://127.0.0.1:{self._out.bind_to_random_port('tcp://127.0.0.1')}"
+        else:
+            self._dir = tempfile.TemporaryDirectory(prefix="tinypaged-core-")  # mode 0700: ours alone
+            in_addr, out_addr = f"ipc://{self._dir.name}/in", f"ipc://{self._dir.name}/out"
+            self._in.bind(in_addr)
+            self._out.bind(out_addr)
+        config = {"args": self.args, "input": in_addr, "output": out_addr,
+                  "parent_pid": os.getpid()}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tinypaged.entrypoints.engine_core", json.dumps(config)])
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            while True:
+                if self._out.poll(100):
+                    first = self._decoder.decode(self._out.recv())
+                    break
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"the engine core process exited with {self.proc.returncode} while starting")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine core did not start within {self.startup_timeout:.0f} s")
+        except BaseException:  # Ctrl-C while the model loads, too: no engine core is left behind
+            self._kill()
+            self._close_sockets()
+            raise
+        if isinstance(first, msg.StartupFailed):
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._kill()
+            self._close_sockets()
+            if first.kind in ("ValueError", "TypeError", "NotImplementedError", "FileNotFoundError"):
+                raise ValueError(first.message)  # the knob's own message (serve prints it, exits 2)
+            raise RuntimeError(f"the engine core failed to start: {first.kind}: {first.message}")
+        self.max_model_len, self.max_num_seqs = first.max_model_len, first.max_num_seqs
+        self._reader = threading.Thread(target=self._read, name="tinypaged-core-client", daemon=True)
+        self._reader.start()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    # -- the callers' side (any thread) --------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        return self._count
+
+    def next_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, request_id: str, prompt, params, deliver) -> Submission:
+        """Send one (tokenized) request and wait for the core's verdict; raises ValueError/TypeError/
+        NotImplementedError (the engine's checks), Overloaded, ShuttingDown or EngineDead before anything is
+        queued. ``prompt`` is {"prompt_token_ids": [...]} with, optionally, its "prompt" text."""
+        self._check_open()
+        sub = Submission(request_id, deliver, 0, params.n)
+        fut: Future = Future()
+        with self._lock:
+            if self._count >= self.max_num_seqs + self.max_queued:
+                raise Overloaded(f"{self._count} requests are in flight; the queue bound is max_num_seqs "
+                                 f"({self.max_num_seqs}) + max_queued ({self.max_queued})")
+            if request_id in self._live or request_id in self._pending:
+                raise ValueError(f"Request id {request_id!r} is already in use")
+            self._count += 1
+            self._live[request_id] = sub
+            self._pending[request_id] = fut
+            self._send(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
+                               msg.params_message(params)))
+        verdict = fut.result()
+        if isinstance(verdict, msg.Rejected):
+            raise {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(
+                verdict.kind, ValueError)(verdict.message)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        sub.num_prompt_tokens = verdict.num_prompt_tokens
+        return sub
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is; the core frees its blocks and ends it (a no-op once it has ended)."""
+        with self._lock:
+            if self.dead is None and request_id in self._live:
+                self._send(msg.Abort([request_id]))
+
+    def engine_metrics(self) -> dict:
+        """The engine's ``get_metrics()``, read in the core between two steps."""
+        if self.dead is not None:
+            raise EngineDead(f"the engine core process has died: {self.dead}")
+        fut: Future = Future()
+        with self._lock:
+            ticket = ("metrics", next(self._tickets))
+            self._pending[ticket] = fut
+            self._send(msg.GetMetrics(ticket[1]))
+        reply = fut.result(timeout=60)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Stop taking requests and wait until those in flight have ended."""
+        self._accepting = False
+        end = time.monotonic() + timeout
+        while self._count and self.dead is None and time.monotonic() < end:
+            time.sleep(0.02)
+        return self._count == 0
+
+    def stop(self) -> None:
+        """Shut the core down (it ends what is left) and make sure its process is gone."""
+        self._accepting = False
+        self._stopping = True
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with self._lock:
+                try:
+                    self._send(msg.Shutdown())
+                except Exception:  # noqa: BLE001 - the socket is closing: kill below
+                    pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._kill()
+        if self._reader is not None:
+            self._reader.join(timeout=5)
+        self._fail_all("the server is shutting down", FinishReason.ABORT)
+        self._close_sockets()
+
+    # -- internals -------------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.dead is not None:
+            raise EngineDead(f"the engine core process has died ({self.dead}); the server is exiting")
+        if not self._accepting:
+            raise ShuttingDown("the server is shutting down")
+
+    def _send(self, message) -> None:  # under self._lock: a ZeroMQ socket is not thread-safe
+        self._in.send(self._encoder.encode(message), copy=False)
+
+    def _read(self) -> None:
+        """The reader thread: decode the core's messages, deliver events; notice the core dying."""
+        while True:
+            if self._out.poll(100):
+                self._handle(self._decoder.decode(self._out.recv()))
+                continue
+            code = self.proc.poll()
+            if code is not None:
+                if not self._stopping:
+                    self._died(f"exit status {code}" if code >= 0 else f"killed by signal {-code}")
+                return
+
+    def _handle(self, m) -> None:
+        if isinstance(m, msg.Outputs):
+            now = time.perf_counter()
+            obs = self.observer
+            if obs is not None and m.tokens:
+                obs.on_step(SimpleNamespace(sampled=m.tokens))
+            for t in m.tokens:
+                sub = self._live.get(t.request_id)
+                if sub is None:
+                    continue
+                if sub.last_token is not None and obs is not None:
+                    obs.on_token_gap(now - sub.last_token)
+                sub.first_token = sub.first_token or now
+                sub.last_token = now
+                sub.deliver(Event(t.request_id, t.index, t.text, [t.token_id]))
+            for f in m.finished:
+                with self._lock:
+                    sub = self._live.pop(f.request_id, None)
+                    if sub is not None:
+                        self._count -= 1
+                if sub is None:
+                    continue
+                if obs is not None:
+                    out = SimpleNamespace(outputs=f.choices, metrics=SimpleNamespace(
+                        time_to_first_token=f.time_to_first_token, e2e_latency=f.e2e_latency))
+                    obs.on_finish(sub, out)
+                for c in f.choices:
+                    sub.deliver(Event(f.request_id, c.index, "", [], True, c.finish_reason, c.stop_reason, f.error))
+        elif isinstance(m, (msg.Added, msg.Rejected)):
+            with self._lock:
+                fut = self._pending.pop(m.request_id, None)
+                if isinstance(m, msg.Rejected) and self._live.pop(m.request_id, None) is not None:
+                    self._count -= 1
+            if fut is not None:
+                fut.set_result(m)
+        elif isinstance(m, msg.MetricsReply):
+            with self._lock:
+                fut = self._pending.pop(("metrics", m.ticket), None)
+            if fut is not None:
+                fut.set_result(m.values)
+
+    def _died(self, why: str) -> None:
+        self.dead = why
+        self._accepting = False
+        logger.error("the engine core process (pid %s) died: %s; failing %d open request(s)", self.pid, why,
+                     self._count)
+        self._fail_all(f"the engine core process died ({why})", None)
+        if self.on_death is not None:
+            self.on_death(why)
+
+    def _fail_all(self, message: str, reason) -> None:
+        with self._lock:
+            live, self._live, self._count = self._live, {}, 0
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_result(EngineDead(message))
+        for rid, sub in live.items():
+            if rid in pending:  # its submit raises instead
+                continue
+            error = None if reason == FinishReason.ABORT else message
+            sub.deliver(Event(rid, 0, "", [], True, reason, None, error))
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def _close_sockets(self) -> None:
+        if self._ctx.closed:
+            return
+        for sock in (self._in, self._out):
+            sock.close(linger=0)
+        self._ctx.term()
+        if self._dir is not None:
+            self._dir.cleanup()

@@ -1,0 +1,333 @@
+"""The engine core in its own process (vLLM v1's ``EngineCoreProc``), and the messages it speaks.
+
+``python -m tinypaged serve`` runs two processes, as ``vllm serve`` does:
+
+* the API server (``server.py`` + ``core_client.py``): HTTP, validation, tokenization, server-sent events;
+* the engine core (this module): an ``LLMEngine`` in a busy loop that never waits on the server's event loop:
+  take what arrived on the input socket (add, abort, metrics, shutdown), run one step, send what it produced.
+
+Between them two ZeroMQ sockets (the server binds both, the core connects): requests flow in on one,
+outputs flow out on the other, each message one ``msgspec.Struct`` encoded as MessagePack. Messages on one
+socket keep their order, so an ``Abort`` sent before a ``GetMetrics`` is done before the metrics are read.
+
+The core watches its parent: when the server process is gone (its parent pid changes) it exits, so a
+crashed server leaves no engine behind; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
+group), since the server drains first and then sends ``Shutdown``.
+
+Run as ``python -m tinypaged.entrypoints.engine_core CONFIG_JSON`` by ``CoreClient``; not by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any, Union
+
+import msgspec
+
+from tinypaged.engine.input_processor import check_max_tokens
+
+logger = logging.getLogger("tinypaged")
+
+
+# -- messages: server -> core ----------------------------------------------------------------------------
+class Params(msgspec.Struct):
+    """``SamplingParams``' constructor fields (the server has validated them already)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_tokens: int | None
+    min_tokens: int
+    stop: list[str] | None
+    stop_token_ids: list[int] | None
+    ignore_eos: bool
+
+
+class Add(msgspec.Struct, tag=True):
+    request_id: str
+    prompt: str | None  # the text, when there is one (the server has tokenized it)
+    prompt_token_ids: list[int]
+    params: Params
+    max_tokens_checked: bool = True  # refuse max_tokens beyond the context (the server's rule, not the LLM's)
+
+
+class Abort(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class GetMetrics(msgspec.Struct, tag=True):
+    ticket: int
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+# -- messages: core -> server ----------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    pid: int
+    max_model_len: int
+    max_num_seqs: int
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    kind: str  # the exception's class name (ValueError: a bad knob or model)
+    message: str
+
+
+class Added(msgspec.Struct, tag=True):
+    request_id: str
+    num_prompt_tokens: int
+
+
+class Rejected(msgspec.Struct, tag=True):
+    """The engine's own validation refused the request; nothing was queued."""
+
+    request_id: str
+    kind: str  # ValueError, TypeError or NotImplementedError
+    message: str
+
+
+class Token(msgspec.Struct, array_like=True):
+    request_id: str
+    index: int
+    text: str  # the newly settled text of this sample
+    token_id: int
+
+
+class Choice(msgspec.Struct, array_like=True):
+    index: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+class Finished(msgspec.Struct, array_like=True):
+    request_id: str
+    choices: list[Choice]
+    error: str | None = None  # a request the engine failed (its step raised, or it failed alone)
+    time_to_first_token: float | None = None
+    e2e_latency: float | None = None
+
+
+class Outputs(msgspec.Struct, tag=True):
+    """One step's results."""
+
+    tokens: list[Token]
+    finished: list[Finished]
+
+
+class MetricsReply(msgspec.Struct, tag=True):
+    ticket: int
+    values: dict[str, Any]
+
+
+ToCore = Union[Add, Abort, GetMetrics, Shutdown]
+FromCore = Union[Ready, StartupFailed, Added, Rejected, Outputs, MetricsReply]
+
+
+def params_message(params) -> Params:
+    return Params(params.n, params.temperature, params.top_p, params.top_k, params.seed, params.max_tokens,
+                  params.min_tokens, list(params.stop) if params.stop else None,
+                  list(params.stop_token_ids) or None, params.ignore_eos)
+
+
+# -- the core process ------------------------------------------------------------------------------------
+class EngineCoreProc:
+    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs."""
+
+    def __init__(self, engine, inbox, outbox, parent_pid: int):
+        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(ToCore)
+        self.live: dict[str, set[int]] = {}  # request id -> its sequences seen so far
+        self.sent: dict[int, int] = {}  # seq id -> characters already sent
+        self.running = True
+
+    def send(self, msg) -> None:
+        """Never blocks for good: a PUSH socket whose peer (the server) has gone would wait forever."""
+        import zmq
+
+        data = self.encoder.encode(msg)
+        while True:
+            try:
+                self.outbox.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                self.check_parent()
+                self.outbox.poll(100, zmq.POLLOUT)
+
+    def check_parent(self) -> None:
+        if os.getppid() != self.parent_pid:  # the server is gone: leave no orphan
+            logger.error("engine core: the server process is gone; exiting")
+            raise SystemExit(0)
+
+    def run_busy_loop(self) -> None:
+        import zmq
+
+        engine = self.engine
+        while self.running:
+            busy = engine.has_unfinished_requests()
+            # block (briefly: the parent is checked between polls) only when there is nothing to step
+            if self.inbox.poll(0 if busy else 100, zmq.POLLIN):
+                while self.running:
+                    try:
+                        raw = self.inbox.recv(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(self.decoder.decode(raw.buffer))
+            self.check_parent()
+            if self.running and engine.has_unfinished_requests():
+                self.step()
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, Add):
+            self.add(msg)
+        elif isinstance(msg, Abort):
+            ids = [rid for rid in msg.request_ids if rid in self.live]
+            if ids:
+                self.engine.abort_request(ids)
+                self.send(Outputs([], [self.end(rid, [Choice(0, "abort", None)]) for rid in ids]))
+        elif isinstance(msg, GetMetrics):
+            self.send(MetricsReply(msg.ticket, _plain(self.engine.get_metrics())))
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def add(self, msg: Add) -> None:
+        from tinypaged.sampling_params import SamplingParams
+
+        try:
+            params = SamplingParams(**msgspec.structs.asdict(msg.params))
+            prompt = {"prompt_token_ids": msg.prompt_token_ids}
+            if msg.prompt is not None:
+                prompt["prompt"] = msg.prompt
+            req = self.engine.make_request(msg.request_id, prompt, params)
+            if msg.max_tokens_checked:
+                check_max_tokens(params.max_tokens, len(req.prompt_token_ids), self.engine.config.max_model_len)
+            self.engine.enqueue(req)
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            self.send(Rejected(msg.request_id, type(exc).__name__, str(exc)))
+            return
+        self.live[msg.request_id] = set()
+        self.send(Added(msg.request_id, len(req.prompt_token_ids)))
+
+    def end(self, request_id: str, choices: list, error=None, metrics=None) -> Finished:
+        for sid in self.live.pop(request_id, ()):
+            self.sent.pop(sid, None)
+        return Finished(request_id, choices, error,
+                        getattr(metrics, "time_to_first_token", None), getattr(metrics, "e2e_latency", None))
+
+    def step(self) -> None:
+        engine = self.engine
+        try:
+            result = engine.step()
+        except Exception as exc:  # a plug-in broke a rule, say: fail what ran, keep serving the rest
+            logger.exception("engine step failed")
+            why = f"{type(exc).__name__}: {exc}"
+            ids = sorted(self.live)
+            engine.abort_request(ids)
+            self.send(Outputs([], [self.end(rid, [Choice(0, None, None)], why) for rid in ids]))
+            return
+        tokens = []
+        for seq in result.sampled:
+            if seq.request_id not in self.live:
+                continue
+            text, settled = engine.detokenizer.stream_text(seq)
+            start = self.sent.get(seq.seq_id, 0)
+            end = max(start, settled)
+            self.sent[seq.seq_id] = end
+            self.live[seq.request_id].add(seq.seq_id)
+            tokens.append(Token(seq.request_id, seq.index, text[start:end], result.new_tokens[seq.seq_id]))
+        finished = []
+        for out in result.finished:
+            if out.request_id not in self.live:
+                continue
+            choices = [Choice(c.index, c.finish_reason, c.stop_reason) for c in out.outputs]
+            finished.append(self.end(out.request_id, choices, out.error, out.metrics))
+        if tokens or finished:
+            self.send(Outputs(tokens, finished))
+
+
+def _plain(value):
+    """The metrics snapshot as MessagePack can carry it (tuples -> lists, other objects -> str)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel sends SIGKILL when the server dies, even while the model loads (elsewhere the busy loop's
+    parent check does it, once the engine is up)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+    if os.getppid() != parent_pid:  # it died before the line above
+        raise SystemExit(0)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(config_json: str) -> int:
+    import zmq
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on Ctrl-C, then sends Shutdown
+    cfg = json.loads(config_json)
+    _die_with_parent(cfg["parent_pid"])
+    ctx = zmq.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(cfg["input"])
+    outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.LINGER, 2000)
+    outbox.connect(cfg["output"])
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from types import SimpleNamespace
+
+        from tinypaged.entrypoints.cli_args import build_llm
+
+        if cfg["args"].get("device", "auto") == "cpu" or not _has_cuda():  # vLLM's CPU backend binds its worker
+            from tinypaged.model.cpu_threads import apply_cpu_threads
+
+            logger.info("engine core threads: %s", apply_cpu_threads().why)
+        llm = build_llm(SimpleNamespace(**cfg["args"]))  # plug-ins are loaded here, by their spec
+    except BaseException as exc:  # noqa: BLE001 - a bad knob, model or plug-in: say it, then exit
+        outbox.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
+        inbox.close(linger=0)
+        outbox.close()  # lingers (2 s at most) until the message is out
+        ctx.term()
+        return 1
+    engine = llm.llm_engine
+    try:
+        engine.tokenizer  # noqa: B018 - loaded now (its EOS ids join the stop rules), not on a first request
+    except ValueError:
+        pass
+    core = EngineCoreProc(engine, inbox, outbox, cfg["parent_pid"])
+    core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs))
+    try:
+        core.run_busy_loop()
+    finally:
+        inbox.close(linger=0)
+        outbox.close()
+        ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
