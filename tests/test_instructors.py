@@ -67,7 +67,14 @@ def test_release_collect_autograde_export(tmp_path):
     for student, nb in (("alice", ROOT / "solutions" / f"{assignment}.ipynb"), ("bob", released)):
         dest = submitted / student / assignment / f"{assignment}.ipynb"
         dest.parent.mkdir(parents=True)
-        shutil.copy(nb, dest)
+        shutil.copy(released, dest)
+        if student == "alice":  # what an honest student hands in: the released notebook, its answers written in
+            answers = {nbk.grade_id(c): c["source"] for c in nbk.read(nb)["cells"] if nbk.is_solution(c)}
+            handed = json.loads(dest.read_text())
+            for cell in handed["cells"]:
+                if nbk.is_solution(cell) and nbk.grade_id(cell) in answers:
+                    cell["source"] = answers[nbk.grade_id(cell)]
+            dest.write_text(json.dumps(handed))
     specs = {name: json.loads((FIXTURES / f"{name}.json").read_text()) for name in HOSTILE}
     for name, spec in specs.items():
         assert spec["base"].endswith(f"{assignment}.ipynb"), "the nbgrader attacks are written for this assignment"

@@ -61,8 +61,9 @@ def fake_convert(staging: Path, log: Path, hold: Path | None = None) -> None:
 
 
 def leftovers(cache: Path) -> list[str]:
-    """Everything in the cache but the finished folder and the lock file."""
-    return sorted(p.name for p in cache.iterdir() if p.name not in (NAME, NAME + ".lock"))
+    """Everything in the cache but the finished folder, the lock file and the grader's own folder (student editions
+    and the sandbox's readable model copy: ``tinypaged.course.grading.sandbox.grader_cache``)."""
+    return sorted(p.name for p in cache.iterdir() if p.name not in (NAME, NAME + ".lock", "grading"))
 
 
 @pytest.fixture
