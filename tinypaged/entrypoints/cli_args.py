@@ -60,21 +60,20 @@ def plugin(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def kv_cache_manager(text: str):
-    """An argparse type: ``paged``, ``contiguous``, or ``MODULE:NAME`` of a KV-manager factory (a plug-in)."""
-    if text in KV_MANAGERS:
-        return text
-    if ":" not in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give paged, contiguous, or MODULE:NAME of a KV-manager factory")
-    return plugin(text)
+def name_or_plugin(names: tuple[str, ...], what: str):
+    """An argparse type: one of ``names`` (a built-in), or ``MODULE:NAME`` of ``what`` (a plug-in, loaded at once)."""
+    def parse(text: str):
+        if text in names:
+            return text
+        if ":" not in text:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {', '.join(names)}, or MODULE:NAME of {what}")
+        return plugin(text)
+
+    return parse
 
 
-def attention_backend(text: str):
-    if text in BACKENDS:
-        return text
-    if ":" not in text:
-        raise argparse.ArgumentTypeError(f"{text!r}: give torch, sdpa, triton, or MODULE:NAME of a decode function")
-    return plugin(text)
+kv_cache_manager = name_or_plugin(KV_MANAGERS, "a KV-manager factory")
+attention_backend = name_or_plugin(BACKENDS, "a decode function")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
