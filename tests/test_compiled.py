@@ -150,3 +150,21 @@ def test_busy_neighbour_is_pinned_bounded_and_killed():
     with pytest.raises(ValueError, match="core 999"):
         with busy_neighbour(999, 1):
             pass
+
+
+def test_the_offline_llm_applies_the_thread_plan_once_per_process(monkeypatch):
+    """``LLM(...)`` on a CPU runs under the plan above, applied by the first engine of the process (as vLLM's CPU
+    worker binds at start-up); later engines, and a plan a benchmark applied by hand, are not re-planned."""
+    from tinypaged import LLM
+
+    applied = []
+    monkeypatch.setattr(cpu_threads, "_APPLIED", None)
+    monkeypatch.setattr(cpu_threads, "plan_cpu_threads",
+                        lambda: applied.append(1) or cpu_threads.CPUThreads(torch.get_num_threads(), None, "test"))
+    for _ in range(2):
+        LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=64)
+    assert applied == [1] and cpu_threads.ensure_cpu_threads() == (cpu_threads._APPLIED, False)
+    by_hand = cpu_threads.CPUThreads(torch.get_num_threads(), None, "by hand")
+    cpu_threads.apply_cpu_threads(by_hand)
+    LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=64)
+    assert applied == [1] and cpu_threads._APPLIED is by_hand

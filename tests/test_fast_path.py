@@ -95,10 +95,49 @@ def test_every_fast_path_projection_goes_through_onednn_linear_and_equals_f_line
         torch.testing.assert_close(fused.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     calls = []
     pointwise = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(fused, "linear", lambda x, w, b=None: calls.append(w.shape) or pointwise(x, w, b, "none", [],
-                                                                                                    ""))
+    monkeypatch.setattr(fused, "linear", lambda x, w, b=None, packed=None: calls.append(packed is not None) or
+                        pointwise(x, w, b, "none", [], ""))
     for fast, expected in ((True, 4 * 2 + 1), (False, 0)):  # tiny: 2 layers x (qkv, o, gate_up, down) + lm_head
         calls.clear()
         llm = LLM("tiny", device="cpu", dtype="float32", fast_path=fast, kv_cache_tokens=256)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=1))
-        assert len(calls) == expected, fast
+        assert len(calls) == expected and all(calls), fast  # every projection brings its packed weight
+
+
+def test_packed_weights_equal_f_linear_and_follow_every_change_to_the_weight():
+    """The blocked copy oneDNN multiplies by (``PackedWeight``) gives ``F.linear``'s numbers for any row count,
+    and is made again when the plain weight changes in place (``load_state_dict``, ``mul_``, a write through a
+    view of the fused tensor) or is replaced: a stale copy would generate from the old weights."""
+    from tinypaged.model import fused
+
+    if not fused.ONEDNN:
+        pytest.skip("torch was built without oneDNN")
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = fused.PackedWeight()
+    for rows in (1, 5, 16, 33, 200):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(fused.linear(x, w, b, packed), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-5, atol=1e-5)
+    first = packed.tensor
+    x = torch.randn(4, 64, generator=g)
+    fused.linear(x, w, b, packed)
+    assert packed.tensor is first  # unchanged weight: packed once
+    w.mul_(2)
+    torch.testing.assert_close(fused.linear(x, w, b, packed), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    w = torch.randn(96, 64, generator=g)  # a new tensor in its place
+    torch.testing.assert_close(fused.linear(x, w, b, packed), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256)
+    prompt, greedy = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6)
+    before = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    model = llm.llm_engine.model
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for name, value in state.items():
+        if name.endswith(("q_proj.weight", "up_proj.weight")):
+            value.mul_(-1.5)  # writes through the views into the fused [q; k; v] and [gate; up] tensors
+    model.load_state_dict(state)
+    after = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
+    reference.llm_engine.model.load_state_dict(state)
+    assert after == reference.generate(prompt, greedy)[0].outputs[0].token_ids != before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
@@ -9,8 +10,11 @@ from contextlib import closing, contextmanager
 from tinypaged.config import RENAMED, EngineConfig
 from tinypaged.engine.input_processor import check_batch
 from tinypaged.engine.llm_engine import LLMEngine
+from tinypaged.model.cpu_threads import ensure_cpu_threads
 from tinypaged.outputs import RequestOutput, StreamOutput
 from tinypaged.sampling_params import BeamSearchParams, SamplingParams
+
+logger = logging.getLogger("tinypaged")
 
 
 class LLM:
@@ -25,7 +29,12 @@ class LLM:
         for old in RENAMED.keys() & kwargs.keys():
             raise TypeError(f"LLM({old}=...) is gone: its decision is {RENAMED[old]}= now "
                             f"(e.g. LLM({RENAMED[old]}={kwargs[old]!r}))")
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        if config.torch_device.type == "cpu":  # vLLM's CPU worker binds its threads at start-up: once per process here
+            plan, applied = ensure_cpu_threads()
+            if applied:
+                logger.info("CPU threads: %s", plan.describe())
+        self.llm_engine = LLMEngine(config)
         self._counter = 0
         self._busy = threading.Lock()
 

@@ -102,6 +102,9 @@ class DecodeBatch:
     block_size: int
     block_tables: torch.Tensor | None = None
     context_slots: torch.Tensor | None = None
+    # what a backend derives from the fields above once per step and reuses in every layer (the fields do not
+    # change between layers): e.g. the fast path's padded slots and visibility mask
+    per_step: dict = field(default_factory=dict)
 
 
 def _blocked(cache: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -180,6 +183,9 @@ class ForwardContext:
     def attend(self, layer: int, q, k, v, scale) -> torch.Tensor:
         K, V = self.keys[layer], self.values[layer]
         self.backend.write(K, V, k, v, self.slot_mapping)
+        if self.decode is not None and not self.prefills and self.decode.rows.numel() == q.shape[0]:
+            # every token is a decode query, in row order (the runner lays decodes out so): no scatter
+            return self._checked("decode", self.backend.decode(q, K, V, self.decode, scale), q)
         out = torch.empty_like(q)
         if self.decode is not None:
             rows = self.decode.rows

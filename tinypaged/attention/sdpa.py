@@ -26,15 +26,20 @@ class SDPABackend(TorchBackend):
     def decode(self, query, key_cache, value_cache, batch, scale: float) -> torch.Tensor:
         b, h, d = query.shape
         kvh = key_cache.shape[1]
-        slots = batch.context_slots.clamp(max=key_cache.shape[0] - 1).reshape(-1)  # padding past a short context
+        if "sdpa" not in batch.per_step:  # the same for every layer of the step: made once
+            slots = batch.context_slots.clamp(max=key_cache.shape[0] - 1).reshape(-1)  # padding past a short context
+            visible = torch.arange(batch.context_slots.shape[1], device=query.device) < batch.context_lens[:, None]
+            # an additive mask (0 or -inf): what torch would otherwise make of a boolean one in every layer
+            additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, -torch.inf)
+            batch.per_step["sdpa"] = slots, additive[:, None, None, :]
+        slots, mask = batch.per_step["sdpa"]
         # index_select copies whole rows (about 3x faster than advanced indexing here): [B, KVH, C, D]
         keys = key_cache.index_select(0, slots).view(b, -1, kvh, d).transpose(1, 2)
         values = value_cache.index_select(0, slots).view(b, -1, kvh, d).transpose(1, 2)
-        visible = torch.arange(keys.shape[2], device=query.device) < batch.context_lens[:, None]
         # the `group` query heads sharing a KV head stand in for query positions: a plain (non-GQA) call,
         # which torch runs on its fused CPU kernel (enable_gqa=True takes a slower path)
         grouped = query.reshape(b, kvh, h // kvh, d)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(b, h, d)
 
     def prefill(self, query, keys, values, first_pos: int, scale: float) -> torch.Tensor:

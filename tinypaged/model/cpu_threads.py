@@ -16,7 +16,9 @@ front end (``VLLM_CPU_NUM_OF_RESERVED_CPU``). tinypaged reads the same two setti
 ``auto`` takes the cores this process may use, drops the reserved ones, and then drops cores another process keeps
 busy right now (sampled from ``/proc/stat`` over ``sample_s``, 0.1 s): on a quiet 2-core machine it binds 2 threads
 to cores 0-1; with one core busy it binds 1 thread to the free one. The choice is made once, when it is applied
-(``apply_cpu_threads``); a load that changes later is not followed (vLLM does not either).
+(``apply_cpu_threads``); a load that changes later is not followed (vLLM does not either). The offline ``LLM`` and
+the engine-core process apply it once per process (``ensure_cpu_threads``), as vLLM's CPU worker binds itself at
+start-up; a plan applied by hand (the benchmarks) is kept.
 """
 
 from __future__ import annotations
@@ -146,11 +148,24 @@ def plan_cpu_threads(bind: str | None = None, reserved: int | None = None, allow
 
 def apply_cpu_threads(plan: CPUThreads | None = None) -> CPUThreads:
     """Set torch's thread count and this process's affinity as ``plan`` (default: ``plan_cpu_threads()``) says."""
+    global _APPLIED
     plan = plan or plan_cpu_threads()
     if plan.cores is not None and hasattr(os, "sched_setaffinity"):  # Linux; elsewhere the thread count only
         os.sched_setaffinity(0, set(plan.cores))
     torch.set_num_threads(plan.threads)
+    _APPLIED = plan
     return plan
+
+
+_APPLIED: CPUThreads | None = None  # the plan this process runs under, once one was applied
+
+
+def ensure_cpu_threads() -> tuple[CPUThreads, bool]:
+    """(the plan this process runs under, whether this call applied it): ``apply_cpu_threads()`` the first time,
+    the same plan afterwards (a second engine in the process, or a plan applied by hand, is not re-planned)."""
+    if _APPLIED is not None:
+        return _APPLIED, False
+    return apply_cpu_threads(), True
 
 
 BURNER = "import os, time\nos.sched_setaffinity(0, {{{core}}})\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end:\n    pass\n"

@@ -32,29 +32,36 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
     ``failures`` maps the index of each row that could not be sampled to the reason; such a row's
     token and log-probability are None, and the other rows are unaffected."""
     logits = suppress_early_stops(logits.float().cpu(), seqs, eos_token_ids)
-    logprobs = torch.log_softmax(logits, dim=-1)
-    has_nan = torch.isnan(logits).any(dim=-1).tolist()
-    all_banned = torch.isneginf(logits).all(dim=-1).tolist()
-    tokens, chosen, failures = [], [], {}
-    for i, (row, seq) in enumerate(zip(logits, seqs)):
+    # one pass over the vocabulary answers both checks and gives the log-probabilities: log p(t) = logit(t) -
+    # logsumexp(row); a row holding a NaN has a NaN logsumexp, a row whose every logit is -inf has -inf
+    lse = torch.logsumexp(logits, dim=-1)
+    has_nan = torch.isnan(lse).tolist()
+    all_banned = torch.isneginf(lse).tolist()
+    greedy = logits.argmax(dim=-1).tolist() if any(seq.params.greedy for seq in seqs) else None
+    tokens, failures = [], {}
+    for i, seq in enumerate(seqs):
         if has_nan[i] or all_banned[i]:
             failures[i] = ("the model's logits hold NaN" if has_nan[i] else
                            "every token's logit is -inf, so no token can be sampled")
+        elif seq.params.greedy:
+            tokens.append(greedy[i])
+            continue
         else:
             try:
-                tokens.append(_sample_row(row, seq.params, seq.generator or engine_generator))
-                chosen.append(float(logprobs[i, tokens[-1]]))
+                tokens.append(_sample_row(logits[i], seq.params, seq.generator or engine_generator))
                 continue
             except RuntimeError as e:  # e.g. torch.multinomial refusing a distribution
                 failures[i] = f"sampling failed: {e}"
         tokens.append(None)
-        chosen.append(None)
+    picked = torch.tensor([0 if t is None else t for t in tokens], dtype=torch.long)
+    logprobs = (logits.gather(1, picked[:, None])[:, 0] - lse).tolist()
+    chosen = [None if t is None else lp for t, lp in zip(tokens, logprobs)]
     return tokens, chosen, failures
 
 
 def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
     """One token from one row of logits under ``p`` (greedy, temperature, top-k, top-p)."""
-    if p.greedy:
+    if p.greedy:  # ``sample`` takes the greedy rows' argmax for all of them at once
         return int(row.argmax())
     row = row / p.temperature
     if p.top_k > 0:
