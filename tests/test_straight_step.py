@@ -114,7 +114,9 @@ def _writes_outside_sched():
                         isinstance(t.value, ast.Name) and t.value.id == "self"):
                     found.append((rel, node.lineno, t.attr))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
-                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "output_token_ids"):
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "output_token_ids"
+                    and not (isinstance(node.func.value.value, ast.Name) and node.func.value.value.id == "self")):
+                # (an object appending to its own list, as the server's SampleText does, is not a Sequence's state)
                 found.append((rel, node.lineno, "output_token_ids"))
     return found
 

@@ -6,6 +6,18 @@ starts ``engine_core.py`` as a child process, binds the two ZeroMQ sockets (``ip
 folder; ``tcp://127.0.0.1`` where there is no ipc), and runs one reader thread that decodes the core's
 messages and hands each event to its request's ``deliver`` (as ``EngineLoop``'s thread does).
 
+Which process owns what (vLLM v1 today): the engine core schedules, executes, samples and applies the token
+rules (EOS, stop token ids, length); it sends token ids and those finishes, never text. This process tokenizes,
+detokenizes and decides stop strings (vLLM's ``OutputProcessor`` / ``IncrementalDetokenizer`` in the API
+server): each sample gets a ``SampleText`` run by the engine's own ``Detokenizer`` rules (``engine/
+detokenizer.py``: stop strings searched in settled text only, the same cut, the same hold-back while streaming),
+so text, ``finish_reason`` and ``stop_reason`` are those of the in-process engine. When a stop string fires, the
+sample is finished here (``finish_reason="stop"``, ``stop_reason`` the string) and ``StopSample`` frees its
+blocks in the core at once; tokens the core made for it meanwhile are dropped. For ``n > 1`` vLLM's front end
+fans a request out into ``n`` child requests (seeds ``seed + index``) so one sample can stop alone; here the
+engine keeps the ``n`` samples in one request (``parallel_sampling="fork"`` shares the prompt's blocks, the
+samples' seeds are already ``seed + index``), so the core is told to stop one sample instead.
+
 * ``submit`` sends ``Add`` and waits for ``Added`` or ``Rejected`` (the engine's own checks), so a bad request
   is refused before it is queued and nothing else is disturbed;
 * the core process dying is noticed within 0.1 s: every open request ends with an error event, new ones are
@@ -29,11 +41,29 @@ from types import SimpleNamespace
 
 import msgspec
 
+from tinypaged.engine.detokenizer import Detokenizer
 from tinypaged.entrypoints import engine_core as msg
 from tinypaged.entrypoints.engine_loop import EngineDead, Event, Overloaded, ShuttingDown, Submission
 from tinypaged.sequence import FinishReason
 
 logger = logging.getLogger("tinypaged")
+
+
+class SampleText:
+    """One sample's text on the server's side: what ``Detokenizer`` reads and writes of a ``Sequence``."""
+
+    def __init__(self, params):
+        self.params = params  # its stop_strings and min_tokens
+        self.output_token_ids: list[int] = []
+        self.text = ""
+        self.stop_search_from = 0
+        self.is_finished = False
+        self.sent = 0  # characters already delivered
+        self.final: tuple | None = None  # (finish_reason, stop_reason) once it has finished here
+
+    def add_token(self, token_id: int) -> None:
+        """The server's copy of the sample's tokens (the core's ``Sequence`` is the scheduler's alone)."""
+        self.output_token_ids.append(token_id)
 
 
 class CoreClient:
@@ -58,6 +88,9 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(msg.FromCore)
         self._reader: threading.Thread | None = None
+        self._texts: dict[str, tuple] = {}  # request id -> (its params, {sample index: SampleText}); reader thread
+        self._tokenizer = None
+        self.detokenizer = Detokenizer(self._decode)
 
     # -- start-up ------------------------------------------------------------------------------------
     def start(self) -> "CoreClient":
@@ -106,9 +139,24 @@ class CoreClient:
                 raise ValueError(first.message)  # the knob's own message (serve prints it, exits 2)
             raise RuntimeError(f"the engine core failed to start: {first.kind}: {first.message}")
         self.max_model_len, self.max_num_seqs = first.max_model_len, first.max_num_seqs
+        self.tokenizer  # noqa: B018 - detokenization is this process's: loaded before the first request
         self._reader = threading.Thread(target=self._read, name="tinypaged-core-client", daemon=True)
         self._reader.start()
         return self
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer in this process (None for a model without one: token ids only)."""
+        if self._tokenizer is None:
+            from tinypaged.model.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model) or False
+        return self._tokenizer or None
+
+    def _decode(self, token_ids) -> str:
+        """The engine's ``detokenize``: special tokens skipped; "" without a tokenizer (stop strings never fire)."""
+        tok = self.tokenizer
+        return "" if tok is None else tok.decode(token_ids, skip_special_tokens=True)
 
     @property
     def pid(self) -> int | None:
@@ -137,6 +185,7 @@ class CoreClient:
                 raise ValueError(f"Request id {request_id!r} is already in use")
             self._count += 1
             self._live[request_id] = sub
+            self._texts[request_id] = (params, {})
             self._pending[request_id] = fut
             self._send(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
                                msg.params_message(params)))
@@ -220,39 +269,86 @@ class CoreClient:
                     self._died(f"exit status {code}" if code >= 0 else f"killed by signal {-code}")
                 return
 
+    def _text_of(self, t) -> str | None:
+        """Book token ``t`` into its sample's text (the engine's ``OutputProcessor.stop_check`` order: a stop
+        token beats a stop string, a stop string beats length); the newly settled text to send, or None for a
+        token of a sample that has already finished here (the core made it before ``StopSample`` arrived)."""
+        params, samples = self._texts.get(t.request_id, (None, None))
+        if samples is None:  # ended meanwhile (the core died, the server stopped)
+            return None
+        s = samples.get(t.index)
+        if s is None:
+            s = samples[t.index] = SampleText(params)
+        if s.is_finished:
+            return None
+        s.add_token(t.token_id)
+        stop = None
+        if t.finish_reason is None or t.finish_reason == str(FinishReason.LENGTH):
+            stop = self.detokenizer.find_stop_string(s)  # cuts s.text before the stop string
+        if stop is not None:
+            s.is_finished, s.final = True, (str(FinishReason.STOP), stop)
+            if t.finish_reason is None:  # still running in the core: free its blocks now
+                with self._lock:
+                    if self.dead is None:
+                        self._send(msg.StopSample(t.request_id, t.index))
+        elif t.finish_reason is not None:
+            self.detokenizer.finish(s)
+            s.is_finished, s.final = True, (t.finish_reason, t.stop_reason)
+        text, settled = self.detokenizer.stream_text(s)
+        start = s.sent
+        s.sent = max(start, settled)
+        return text[start:s.sent]
+
     def _handle(self, m) -> None:
         if isinstance(m, msg.Outputs):
             now = time.perf_counter()
             obs = self.observer
-            if obs is not None and m.tokens:
-                obs.on_step(SimpleNamespace(sampled=m.tokens))
+            kept = []
             for t in m.tokens:
                 sub = self._live.get(t.request_id)
                 if sub is None:
                     continue
+                try:
+                    text = self._text_of(t)
+                except Exception as exc:  # noqa: BLE001 - a decode that raised fails its request, not the reader
+                    logger.exception("detokenizing request %s failed", t.request_id)
+                    self._fail_request(t.request_id, f"detokenization failed: {type(exc).__name__}: {exc}")
+                    continue
+                if text is None:
+                    continue
+                kept.append(t)
                 if sub.last_token is not None and obs is not None:
                     obs.on_token_gap(now - sub.last_token)
                 sub.first_token = sub.first_token or now
                 sub.last_token = now
-                sub.deliver(Event(t.request_id, t.index, t.text, [t.token_id]))
+                sub.deliver(Event(t.request_id, t.index, text, [t.token_id]))
+            if obs is not None and kept:
+                obs.on_step(SimpleNamespace(sampled=kept))
             for f in m.finished:
                 with self._lock:
                     sub = self._live.pop(f.request_id, None)
                     if sub is not None:
                         self._count -= 1
+                    _, samples = self._texts.pop(f.request_id, (None, {}))
                 if sub is None:
                     continue
+                choices = []
+                for c in f.choices:  # a sample finished here by a stop string reports that, not the core's abort
+                    s = samples.get(c.index)
+                    reason, stop_reason = s.final if s is not None and s.final else (c.finish_reason, c.stop_reason)
+                    choices.append(msg.Choice(c.index, reason, stop_reason))
                 if obs is not None:
-                    out = SimpleNamespace(outputs=f.choices, metrics=SimpleNamespace(
+                    out = SimpleNamespace(outputs=choices, error=f.error, metrics=SimpleNamespace(
                         time_to_first_token=f.time_to_first_token, e2e_latency=f.e2e_latency))
                     obs.on_finish(sub, out)
-                for c in f.choices:
+                for c in choices:
                     sub.deliver(Event(f.request_id, c.index, "", [], True, c.finish_reason, c.stop_reason, f.error))
         elif isinstance(m, (msg.Added, msg.Rejected)):
             with self._lock:
                 fut = self._pending.pop(m.request_id, None)
                 if isinstance(m, msg.Rejected) and self._live.pop(m.request_id, None) is not None:
                     self._count -= 1
+                    self._texts.pop(m.request_id, None)
             if fut is not None:
                 fut.set_result(m)
         elif isinstance(m, msg.MetricsReply):
@@ -260,6 +356,18 @@ class CoreClient:
                 fut = self._pending.pop(("metrics", m.ticket), None)
             if fut is not None:
                 fut.set_result(m.values)
+
+    def _fail_request(self, request_id: str, why: str) -> None:
+        """End one request here with an error event and abort it in the core (its blocks freed)."""
+        with self._lock:
+            sub = self._live.pop(request_id, None)
+            self._texts.pop(request_id, None)
+            if sub is None:
+                return
+            self._count -= 1
+            if self.dead is None:
+                self._send(msg.Abort([request_id]))
+        sub.deliver(Event(request_id, 0, "", [], True, None, None, why))
 
     def _died(self, why: str) -> None:
         self.dead = why
@@ -272,7 +380,7 @@ class CoreClient:
 
     def _fail_all(self, message: str, reason) -> None:
         with self._lock:
-            live, self._live, self._count = self._live, {}, 0
+            live, self._live, self._count, self._texts = self._live, {}, 0, {}
             pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():

@@ -1,10 +1,15 @@
 """The engine core in its own process (vLLM v1's ``EngineCoreProc``), and the messages it speaks.
 
-``python -m tinypaged serve`` runs two processes, as ``vllm serve`` does:
+``python -m tinypaged serve`` runs two processes, as ``vllm serve`` does (vLLM v1 today):
 
-* the API server (``server.py`` + ``core_client.py``): HTTP, validation, tokenization, server-sent events;
+* the API server (``server.py`` + ``core_client.py``): HTTP, validation, tokenization, detokenization, stop
+  strings, server-sent events;
 * the engine core (this module): an ``LLMEngine`` in a busy loop that never waits on the server's event loop:
-  take what arrived on the input socket (add, abort, metrics, shutdown), run one step, send what it produced.
+  take what arrived on the input socket (add, abort, stop a sample, metrics, shutdown), run one step (schedule,
+  execute, sample, the token rules: EOS, stop token ids, length), send what it produced: new token ids and
+  the token rules' finishes, never text. The core gets no stop strings (``Params`` has no ``stop``) and does
+  no text work at all: its engine's detokenizer decodes nothing. When a stop string fires in the server,
+  ``StopSample`` frees that sample's blocks here at once (vLLM's front end aborts the request in the core).
 
 Between them two ZeroMQ sockets (the server binds both, the core connects): requests flow in on one,
 outputs flow out on the other, each message one ``msgspec.Struct`` encoded as MessagePack. Messages on one
@@ -28,6 +33,7 @@ from typing import Any, Union
 
 import msgspec
 
+from tinypaged.engine.detokenizer import Detokenizer
 from tinypaged.engine.input_processor import check_max_tokens
 
 logger = logging.getLogger("tinypaged")
@@ -35,7 +41,8 @@ logger = logging.getLogger("tinypaged")
 
 # -- messages: server -> core ----------------------------------------------------------------------------
 class Params(msgspec.Struct):
-    """``SamplingParams``' constructor fields (the server has validated them already)."""
+    """``SamplingParams``' constructor fields (the server has validated them already), less ``stop``: stop
+    strings are the server's (``core_client.py``), so the core never searches text."""
 
     n: int
     temperature: float
@@ -44,7 +51,6 @@ class Params(msgspec.Struct):
     seed: int | None
     max_tokens: int | None
     min_tokens: int
-    stop: list[str] | None
     stop_token_ids: list[int] | None
     ignore_eos: bool
 
@@ -59,6 +65,14 @@ class Add(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+
+
+class StopSample(msgspec.Struct, tag=True):
+    """The server's stop string ended sample ``index`` of a request: free its blocks now (the other samples
+    run on). The last unfinished sample ends the request (``Finished``)."""
+
+    request_id: str
+    index: int
 
 
 class GetMetrics(msgspec.Struct, tag=True):
@@ -95,10 +109,14 @@ class Rejected(msgspec.Struct, tag=True):
 
 
 class Token(msgspec.Struct, array_like=True):
+    """One sample's new token id, and the token rule that ended the sample with it, if one did (vLLM's
+    ``EngineCoreOutput``: ids and finish reasons, no text)."""
+
     request_id: str
     index: int
-    text: str  # the newly settled text of this sample
     token_id: int
+    finish_reason: str | None = None  # stop (EOS, a stop token id) or length
+    stop_reason: int | str | None = None  # the stop token id
 
 
 class Choice(msgspec.Struct, array_like=True):
@@ -127,26 +145,27 @@ class MetricsReply(msgspec.Struct, tag=True):
     values: dict[str, Any]
 
 
-ToCore = Union[Add, Abort, GetMetrics, Shutdown]
+ToCore = Union[Add, Abort, StopSample, GetMetrics, Shutdown]
 FromCore = Union[Ready, StartupFailed, Added, Rejected, Outputs, MetricsReply]
 
 
 def params_message(params) -> Params:
+    """``params`` as the core takes them: without the stop strings (the server searches them)."""
     return Params(params.n, params.temperature, params.top_p, params.top_k, params.seed, params.max_tokens,
-                  params.min_tokens, list(params.stop) if params.stop else None,
-                  list(params.stop_token_ids) or None, params.ignore_eos)
+                  params.min_tokens, list(params.stop_token_ids) or None, params.ignore_eos)
 
 
 # -- the core process ------------------------------------------------------------------------------------
 class EngineCoreProc:
-    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs."""
+    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs (token ids)."""
 
     def __init__(self, engine, inbox, outbox, parent_pid: int):
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+        engine.output_processor.detokenizer = Detokenizer(_no_text)  # text is the server's: decode nothing here
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ToCore)
-        self.live: dict[str, set[int]] = {}  # request id -> its sequences seen so far
-        self.sent: dict[int, int] = {}  # seq id -> characters already sent
+        self.live: set[str] = set()  # the server's requests not yet ended
+        self.stop_later: set[tuple[str, int]] = set()  # samples to stop once their group is out of swap
         self.running = True
 
     def send(self, msg) -> None:
@@ -189,10 +208,13 @@ class EngineCoreProc:
         if isinstance(msg, Add):
             self.add(msg)
         elif isinstance(msg, Abort):
-            ids = [rid for rid in msg.request_ids if rid in self.live]
-            if ids:
-                self.engine.abort_request(ids)
-                self.send(Outputs([], [self.end(rid, [Choice(0, "abort", None)]) for rid in ids]))
+            ended = [self.abort(rid) for rid in msg.request_ids if rid in self.live]
+            if ended:
+                self.send(Outputs([], ended))
+        elif isinstance(msg, StopSample):
+            ended = self.stop_sample(msg.request_id, msg.index)
+            if ended is not None:
+                self.send(Outputs([], [ended]))
         elif isinstance(msg, GetMetrics):
             self.send(MetricsReply(msg.ticket, _plain(self.engine.get_metrics())))
         elif isinstance(msg, Shutdown):
@@ -213,14 +235,43 @@ class EngineCoreProc:
         except (ValueError, TypeError, NotImplementedError) as exc:
             self.send(Rejected(msg.request_id, type(exc).__name__, str(exc)))
             return
-        self.live[msg.request_id] = set()
+        self.live.add(msg.request_id)
         self.send(Added(msg.request_id, len(req.prompt_token_ids)))
 
     def end(self, request_id: str, choices: list, error=None, metrics=None) -> Finished:
-        for sid in self.live.pop(request_id, ()):
-            self.sent.pop(sid, None)
+        self.live.discard(request_id)
+        self.stop_later = {k for k in self.stop_later if k[0] != request_id}
         return Finished(request_id, choices, error,
                         getattr(metrics, "time_to_first_token", None), getattr(metrics, "e2e_latency", None))
+
+    def abort(self, request_id: str, finished: bool = False) -> Finished:
+        """End a live request now (its blocks freed): one ``abort`` choice per sample still running.
+        ``finished``: the server's stop string ended its last sample, so its latencies are observed."""
+        req = self.engine.requests.get(request_id)
+        self.engine.abort_request([request_id])
+        if req is None:
+            return self.end(request_id, [Choice(0, "abort", None)])
+        out = self.engine.output_processor.request_output(req)
+        return self.end(request_id, [Choice(c.index, c.finish_reason, c.stop_reason) for c in out.outputs],
+                        metrics=out.metrics if finished else None)
+
+    def stop_sample(self, request_id: str, index: int) -> Finished | None:
+        """The server's stop string ended sample ``index``: free its blocks (the scheduler's ``abort``); the
+        request ends here when no other sample is left. The server reports the sample's finish itself."""
+        req = self.engine.requests.get(request_id)
+        if req is None or request_id not in self.live:
+            return None
+        mine = [s for s in req.seqs if s.index == index and not s.is_finished]
+        if not mine:
+            return None
+        if all(s.is_finished for s in req.seqs if s.index != index) and not req.seqs[0].pending_forks:
+            return self.abort(request_id, finished=True)
+        sched = self.engine.scheduler
+        if any(s in group for group in sched.swapped for s in mine):  # its group is swapped out as one:
+            self.stop_later.add((request_id, index))  # stop it once it runs again (see step)
+            return None
+        sched.abort(mine)
+        return None
 
     def step(self) -> None:
         engine = self.engine
@@ -237,20 +288,27 @@ class EngineCoreProc:
         for seq in result.sampled:
             if seq.request_id not in self.live:
                 continue
-            text, settled = engine.detokenizer.stream_text(seq)
-            start = self.sent.get(seq.seq_id, 0)
-            end = max(start, settled)
-            self.sent[seq.seq_id] = end
-            self.live[seq.request_id].add(seq.seq_id)
-            tokens.append(Token(seq.request_id, seq.index, text[start:end], result.new_tokens[seq.seq_id]))
+            reason = None if seq.finish_reason is None else str(seq.finish_reason)
+            tokens.append(Token(seq.request_id, seq.index, result.new_tokens[seq.seq_id], reason,
+                                seq.stop_reason if reason is not None else None))
         finished = []
         for out in result.finished:
             if out.request_id not in self.live:
                 continue
             choices = [Choice(c.index, c.finish_reason, c.stop_reason) for c in out.outputs]
             finished.append(self.end(out.request_id, choices, out.error, out.metrics))
+        for rid, index in sorted(self.stop_later):  # samples whose group was swapped out when they were stopped
+            self.stop_later.discard((rid, index))
+            ended = self.stop_sample(rid, index)
+            if ended is not None:
+                finished.append(ended)
         if tokens or finished:
             self.send(Outputs(tokens, finished))
+
+
+def _no_text(token_ids) -> str:
+    """The core's decode: no text (the server detokenizes; the core gets no stop strings to search)."""
+    return ""
 
 
 def _plain(value):
@@ -303,9 +361,9 @@ def main(config_json: str) -> int:
         from tinypaged.entrypoints.cli_args import build_llm
 
         if cfg["args"].get("device", "auto") == "cpu" or not _has_cuda():  # vLLM's CPU backend binds its worker
-            from tinypaged.model.cpu_threads import apply_cpu_threads
+            from tinypaged.model.cpu_threads import ensure_cpu_threads
 
-            logger.info("engine core threads: %s", apply_cpu_threads().why)
+            logger.info("engine core threads: %s", ensure_cpu_threads()[0].describe())
         llm = build_llm(SimpleNamespace(**cfg["args"]))  # plug-ins are loaded here, by their spec
     except BaseException as exc:  # noqa: BLE001 - a bad knob, model or plug-in: say it, then exit
         outbox.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))

@@ -250,6 +250,8 @@ class EngineLoop:
         sub = self._live.pop(request_id)
         if abort:
             self.engine.abort_request([request_id])
+            if self.observer is not None and hasattr(self.observer, "on_abort"):
+                self.observer.on_abort(sub)  # /metrics: finished_reason="abort"
         for sid in sub.seq_ids:
             self._sent.pop(sid, None)
         self._end_count()

@@ -3,8 +3,9 @@
 FastAPI routes on uvicorn's event loop. The engine runs in one of two ways (``Server``):
 
 * ``serve``'s default, as vLLM v1: the engine core in its own process (``engine_core.py``), reached through
-  ``CoreClient`` (``core_client.py``) over ZeroMQ with msgspec messages; this process does HTTP, validation,
-  tokenization and server-sent events. ``TINYPAGED_ENABLE_MULTIPROCESSING=0`` (vLLM's
+  ``CoreClient`` (``core_client.py``) over ZeroMQ with msgspec messages (vLLM v1 today): this process does HTTP,
+  validation, tokenization, detokenization, stop strings and server-sent events; the core schedules, executes,
+  samples and applies the token rules, and sends token ids. ``TINYPAGED_ENABLE_MULTIPROCESSING=0`` (vLLM's
   ``VLLM_ENABLE_V1_MULTIPROCESSING``) or ``--no-multiprocessing`` keeps the engine in-process instead;
 * ``create_app(llm, ...)`` (tests, notebooks) and that in-process mode: one background thread of this
   process steps the engine (``EngineLoop``), sharing the interpreter with the event loop.
@@ -216,10 +217,8 @@ class Server:
     @property
     def tokenizer(self):
         if self._tok is None:
-            if self.engine is None:  # the core runs elsewhere: this process loads its own copy
-                from tinypaged.model.loader import load_tokenizer
-
-                self._tok = load_tokenizer(self.loop.model) or _NoTokenizer()
+            if self.engine is None:  # the core runs elsewhere: this process has its own copy (it detokenizes too)
+                self._tok = self.loop.tokenizer or _NoTokenizer()
             else:
                 try:
                     self._tok = self.engine.tokenizer

@@ -11,7 +11,7 @@ are read from the engine at scrape time, between two steps, so a step never pays
 | ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` | counter | prompt tokens looked up / found |
 | ``vllm:num_preemptions_total`` | counter | preemptions |
 | ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` | counter | tokens in and out |
-| ``vllm:request_success_total{finished_reason}`` | counter | finished requests |
+| ``vllm:request_success_total{finished_reason}`` | counter | ended samples: stop, length, abort (a hang-up), error |
 | ``vllm:time_to_first_token_seconds`` | histogram | arrival to first token |
 | ``vllm:inter_token_latency_seconds`` | histogram | time between a request's tokens |
 | ``vllm:e2e_request_latency_seconds`` | histogram | arrival to finish |
@@ -83,13 +83,22 @@ class ServerMetrics:
     def on_finish(self, sub, out) -> None:
         name = self.model_name
         self.prompt_tokens.labels(name).inc(sub.num_prompt_tokens)
+        failed = getattr(out, "error", None) is not None
         for c in out.outputs:
-            self.request_success.labels(name, c.finish_reason or "abort").inc()
+            self.request_success.labels(name, c.finish_reason or ("error" if failed else "abort")).inc()
         m = out.metrics
         if m is not None and m.time_to_first_token is not None:
             self.ttft.labels(name).observe(m.time_to_first_token)
         if m is not None and m.e2e_latency is not None:
             self.e2e.labels(name).observe(m.e2e_latency)
+
+    def on_abort(self, sub) -> None:
+        """A request aborted before it finished (a client that hung up): each of its samples counts under
+        ``finished_reason="abort"``, as vLLM counts aborted requests (``EngineLoop``; the process server's
+        aborts come back from the core as a finish with reason abort)."""
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(sub.num_prompt_tokens)
+        self.request_success.labels(name, "abort").inc(sub.num_samples)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
