@@ -304,3 +304,19 @@ def test_a_symlinked_submission_is_refused(tmp_path):
     folder.symlink_to(SOLUTION.parent)  # a linked folder: the same file through a link
     report = coursework.grade_notebook(folder / SOLUTION.name, execute=False, unsafe=True)
     assert report["score"] == 0 and "symbolic link" in report.get("error", ""), report
+
+
+def test_the_serving_checks_cpu_budget_is_a_knob_the_wall_clock_follows(capsys):
+    """``grade --serving-cpu-timeout`` (tests/test_hostile_submissions.py: a hang in the serving check cost 300
+    CPU seconds): the job carries it, the wall-clock limits follow it, and without it nothing changes."""
+    from tinypaged.course.grading.probe import SERVING_CPU
+
+    sol = nbk.read(SOLUTION)
+    default = verify.build_job(sol, sol, "02", cell_cpu=20, check_cpu=20)
+    assert "serving_cpu" not in default and evidence.wall_limits(default)[0] == 2 * SERVING_CPU + 60
+    job = verify.build_job(sol, sol, "02", cell_cpu=20, check_cpu=20, serving_cpu=60)
+    assert job["serving_cpu"] == 60 and evidence.wall_limits(job)[0] == 2 * 60 + 60
+    assert evidence.wall_limits(job)[1] < evidence.wall_limits(default)[1]
+    with pytest.raises(SystemExit) as e:  # refused before any work, naming the knob
+        coursework.main(["grade", "--serving-cpu-timeout", "0", str(SOLUTION)])
+    assert e.value.code == 2 and "--serving-cpu-timeout: 0 must be at least 1" in capsys.readouterr().err

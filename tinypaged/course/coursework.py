@@ -246,7 +246,7 @@ def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1
 def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: bool = False,
                    execute: bool = True, feedback: Path | None = None, cell_timeout: int = 600,
                    cpu_timeout: int = 300, notebook_timeout: int = 7200, idle: float = 120.0,
-                   hide: list[Path] = ()) -> dict:
+                   hide: list[Path] = (), serving_cpu: int | None = None) -> dict:
     """Grade one submitted notebook (:func:`tinypaged.course.grading.verify.grade`), then run it for the
     learner's feedback (no grade is taken from that run); the report as a dict."""
     import time
@@ -271,7 +271,7 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: 
     make = sandbox_factory([*hidden_paths([path]), Path(solutions), *hide], unsafe)
     try:
         report.update(verify.grade(source, sub, stage, make, cell_cpu=cpu_timeout, check_cpu=cpu_timeout,
-                                   idle_s=idle))
+                                   idle_s=idle, serving_cpu=serving_cpu))
         if execute:
             executed = run_notebook(nbk.assemble(source, sub), make, cell_timeout, notebook_timeout, cpu_timeout)
             stopped = executed.get("metadata", {}).get("tinypaged", {}).get("stopped")
@@ -376,6 +376,17 @@ def _complete(r: dict) -> bool:
     return not r.get("error") and r["max_score"] > 0 and r["score"] >= r["max_score"]
 
 
+def _positive_int(text: str) -> int:
+    """argparse's type for a count of seconds that must be at least 1 (argparse names the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of seconds") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tinypaged.course", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -399,6 +410,9 @@ def main(argv=None) -> int:
     g.add_argument("--feedback", type=Path, help="write each learner's notebook as HTML feedback into this folder")
     g.add_argument("--cpu-timeout", type=int, default=300,
                    help="CPU seconds per cell and per check (default 300; CPU time, so load does not trip it)")
+    g.add_argument("--serving-cpu-timeout", type=_positive_int, default=None, metavar="SECONDS",
+                   help="CPU seconds a serving check (one that loads a model) may use, never less than "
+                        "--cpu-timeout (default 300)")
     g.add_argument("--timeout", type=int, default=600,
                    help="seconds a cell of the feedback run may go without using the CPU (a hang; default 600)")
     g.add_argument("--idle", type=float, default=120.0,
@@ -488,7 +502,8 @@ def main(argv=None) -> int:
     def one(nb):
         return grade_notebook(nb, args.solutions, unsafe=args.unsafe_no_sandbox, execute=not args.no_execute,
                               feedback=args.feedback, cell_timeout=args.timeout, cpu_timeout=args.cpu_timeout,
-                              notebook_timeout=args.notebook_timeout, idle=args.idle, hide=hide)
+                              notebook_timeout=args.notebook_timeout, idle=args.idle, hide=hide,
+                              serving_cpu=args.serving_cpu_timeout)
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own sandboxed processes
         reports = list(pool.map(one, args.notebooks))

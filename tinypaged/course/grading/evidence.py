@@ -213,10 +213,11 @@ def wall_limits(job: dict) -> tuple[float, float]:
     from tinypaged.course.grading.probe import SERVING_CPU
 
     cpu = max(job.get("check_cpu", 300), job.get("cell_cpu", 120))
-    step = job.get("step_wall") or 2 * max(cpu, SERVING_CPU) + 60
+    serving = job.get("serving_cpu", SERVING_CPU)
+    step = job.get("step_wall") or 2 * max(cpu, serving) + 60
     learner = sum(1 for c in job["cells"] if c.get("learner"))
     total = job.get("total_wall") or 2 * (job.get("cell_cpu", 120) * learner + job.get("check_cpu", 300)
-                                         * len(job["calls"])) + 2 * SERVING_CPU + 120
+                                         * len(job["calls"])) + 2 * serving + 120
     return float(step), float(total)
 
 

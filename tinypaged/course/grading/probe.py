@@ -114,8 +114,9 @@ def run(job: dict, events: Events) -> None:
                                                    "defined (did its cell fail?)"}]})
             continue
         outcomes = []
-        # a serving check loads and runs a model: it never gets less than SERVING_CPU seconds
-        _budget(max(job.get("check_cpu", 300), SERVING_CPU) if c.expected is not None else job.get("check_cpu", 300))
+        # a serving check loads and runs a model: it never gets less than SERVING_CPU seconds (or the job's own)
+        serving = max(job.get("check_cpu", 300), job.get("serving_cpu", SERVING_CPU))
+        _budget(serving if c.expected is not None else job.get("check_cpu", 300))
         try:  # a check's cases may use another part of the stage to set up (in the edition: the learner's)
             cases = c.cases(call["hidden"])
         except BaseException as e:  # noqa: BLE001

@@ -175,23 +175,27 @@ def expected_calls(source: str) -> list[tuple[str, int | None]]:
     return [(name, hidden) for name, _, hidden in check_calls(source)]
 
 
-def build_job(source_nb: dict, submission_nb: dict, stage: str, cell_cpu: int = 120, check_cpu: int = 300) -> dict:
+def build_job(source_nb: dict, submission_nb: dict, stage: str, cell_cpu: int = 120, check_cpu: int = 300,
+              serving_cpu: int | None = None) -> dict:
     calls = []
     for i, cell in enumerate(source_nb["cells"]):
         if nbk.is_test(cell):
             for n, (name, target, hidden) in enumerate(check_calls(nbk.source_of(cell))):
                 calls.append({"key": f"{nbk.grade_id(cell)}/{n}", "grade_id": nbk.grade_id(cell), "cell": i,
                               "check": name, "target": target, "hidden": hidden})
-    return {"stage": stage, "cells": nbk.module_cells(source_nb, submission_nb), "calls": calls,
-            "cell_cpu": cell_cpu, "check_cpu": check_cpu}
+    job = {"stage": stage, "cells": nbk.module_cells(source_nb, submission_nb), "calls": calls,
+           "cell_cpu": cell_cpu, "check_cpu": check_cpu}
+    if serving_cpu is not None:  # else the probe's SERVING_CPU
+        job["serving_cpu"] = serving_cpu
+    return job
 
 
 def grade(source_nb: dict, submission_nb: dict, stage: str, make_sandbox, cell_cpu: int = 120,
-          check_cpu: int = 300, idle_s: float = 120.0) -> dict:
+          check_cpu: int = 300, idle_s: float = 120.0, serving_cpu: int | None = None) -> dict:
     """The grade report of one submission (see the module docstring)."""
     from tinypaged.course.grading.evidence import gather
 
-    job = build_job(source_nb, submission_nb, stage, cell_cpu, check_cpu)
+    job = build_job(source_nb, submission_nb, stage, cell_cpu, check_cpu, serving_cpu)
     findings = scan_notebook([(c["index"], c["source"], c["learner"]) for c in job["cells"]])
     evidence = gather(job, make_sandbox, idle_s) if job["calls"] else \
         {"records": {}, "cells": {}, "kills": [], "refused": [], "threads": []}
