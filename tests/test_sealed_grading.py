@@ -320,3 +320,8 @@ def test_the_serving_checks_cpu_budget_is_a_knob_the_wall_clock_follows(capsys):
     with pytest.raises(SystemExit) as e:  # refused before any work, naming the knob
         coursework.main(["grade", "--serving-cpu-timeout", "0", str(SOLUTION)])
     assert e.value.code == 2 and "--serving-cpu-timeout: 0 must be at least 1" in capsys.readouterr().err
+    # a check killed for CPU names the budgets it ran under (a serving check's is not --cpu-timeout's)
+    assert evidence._cpu_budget_text(job) == "20 s of CPU a check, 60 s for a serving check"
+    assert evidence._cpu_budget_text(dict(job, serving_cpu=10)) == "20 s of CPU"
+    assert evidence._why(-24, "", None, evidence._cpu_budget_text(default)) == \
+        f"ran past its CPU-time budget (20 s of CPU a check, {SERVING_CPU} s for a serving check)"

@@ -65,14 +65,24 @@ def _signal_name(rc: int) -> str | None:
         return None
 
 
-def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: int) -> str:
+def _cpu_budget_text(job: dict) -> str:
+    """The CPU budget a killed check ran under, as the job set it: a check that serves a model gets the larger
+    serving budget (``--serving-cpu-timeout``), so both are named when they differ."""
+    from tinypaged.course.grading.probe import SERVING_CPU
+
+    check = job.get("check_cpu", 300)
+    serving = max(check, job.get("serving_cpu", SERVING_CPU))
+    return f"{check} s of CPU" if serving == check else f"{check} s of CPU a check, {serving} s for a serving check"
+
+
+def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: str) -> str:
     if stopped:
         return stopped
     sig = _signal_name(rc)
     tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] if stderr.strip() else []
     said = f" ({tail[0][:160]})" if tail else ""
     if sig == "SIGXCPU":
-        return f"ran past its CPU-time budget ({cpu_budget} s of CPU)"
+        return f"ran past its CPU-time budget ({cpu_budget})"
     if sig == "SIGKILL":
         return "was killed (its CPU-time budget or the sandbox's memory limit)" + said
     if sig in ("SIGABRT", "SIGSEGV", "SIGBUS"):
@@ -270,7 +280,7 @@ def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
             return events, None
         if any("probe_error" in e for e in events):
             return events, "the grader's probe failed: " + next(e["probe_error"] for e in events if "probe_error" in e)
-        return events, _why(proc.returncode, stderr, stopped, job.get("check_cpu", 300))
+        return events, _why(proc.returncode, stderr, stopped, _cpu_budget_text(job))
 
 
 def _complete(job: dict, events: list[dict]) -> bool:
