@@ -141,3 +141,35 @@ def test_packed_weights_equal_f_linear_and_follow_every_change_to_the_weight():
     reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
     reference.llm_engine.model.load_state_dict(state)
     assert after == reference.generate(prompt, greedy)[0].outputs[0].token_ids != before
+
+
+def test_warm_up_packs_every_projection_before_the_first_request_and_changes_nothing():
+    """``fused.warm_up`` (the engine core runs it before it says Ready, as vLLM's server warms its model): every
+    projection's packed copy exists afterwards, one product per weight shape and decode batch size was run, and
+    the engine generates what a cold one generates, with no step counted."""
+    from tinypaged.model import fused
+
+    if not fused.ONEDNN:
+        pytest.skip("torch was built without oneDNN")
+    prompt, greedy = [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6)
+    cold = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256).generate(prompt, greedy)
+    llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256)
+    model = llm.llm_engine.model
+    packs = [p for layer in model.model.layers for p in (layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed,
+                                                          layer.self_attn.o_proj.forward.packed,
+                                                          layer.mlp.down_proj.forward.packed)]
+    packs.append(model.lm_head.forward.packed)
+    assert all(p.tensor is None for p in packs)
+    shapes = {tuple(w.shape) for w in (model.model.layers[0].self_attn.qkv_proj.weight, model.lm_head.weight,
+                                       model.model.layers[0].mlp.gate_up_proj.weight,
+                                       model.model.layers[0].self_attn.o_proj.weight,
+                                       model.model.layers[0].mlp.down_proj.weight)}
+    assert fused.warm_up(model, 4) == 4 * len(shapes)
+    assert all(p.tensor is not None for p in packs) and llm.get_metrics()["num_steps"] == 0
+    assert token_ids_of(llm.generate(prompt, greedy)) == token_ids_of(cold)
+    reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
+    assert fused.warm_up(reference.llm_engine.model, 4) == 0
+
+
+def token_ids_of(outputs):
+    return [list(o.outputs[0].token_ids) for o in outputs]

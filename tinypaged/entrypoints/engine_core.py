@@ -376,6 +376,10 @@ def main(config_json: str) -> int:
         engine.tokenizer  # noqa: B018 - loaded now (its EOS ids join the stop rules), not on a first request
     except ValueError:
         pass
+    if engine.config.fast_path:  # as vLLM's server warms its model: weights packed before the first request
+        from tinypaged.model.fused import warm_up
+
+        warm_up(engine.model, engine.config.max_num_seqs)
     core = EngineCoreProc(engine, inbox, outbox, cfg["parent_pid"])
     core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs))
     try:

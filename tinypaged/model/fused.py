@@ -117,3 +117,31 @@ def fuse_projections(model) -> None:
             single.forward = SingleLinear(single)
     model.lm_head.forward = SingleLinear(model.lm_head)
 
+
+
+def warm_up(model, max_rows: int) -> int:
+    """Pay the fast path's one-off costs now rather than in the first requests (vLLM's server warms its model at
+    start-up): pack every projection's weight for oneDNN, and run one product of each weight shape for every
+    decode batch size 1..``max_rows``, so oneDNN has built the primitives those steps use. Changes no weight,
+    cache or counter. Returns the number of products run (0 where the fast path's oneDNN GEMMs do not apply)."""
+    projections = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if attn.qkv_proj is None or mlp.gate_up_proj is None:
+            return 0  # the reference path: nothing packed
+        projections += [attn.qkv_proj, mlp.gate_up_proj, attn.o_proj.forward, mlp.down_proj.forward]
+    projections.append(model.lm_head.forward)
+    projections = [(p.weight, p.bias, p.packed) if isinstance(p, FusedLinear) else (p.layer.weight, p.layer.bias, p.packed)
+                   for p in projections]
+    first = projections[0][0]
+    if not (ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu"):
+        return 0
+    one_per_shape = {}
+    with torch.inference_mode():
+        for weight, bias, packed in projections:
+            packed.of(weight)
+            one_per_shape.setdefault((tuple(weight.shape), bias is not None), (weight, bias, packed))
+        for weight, bias, packed in one_per_shape.values():
+            for rows in range(1, max_rows + 1):
+                linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype), weight, bias, packed)
+    return len(one_per_shape) * max_rows
