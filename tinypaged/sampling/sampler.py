@@ -60,9 +60,8 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
 
 
 def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
-    """One token from one row of logits under ``p`` (greedy, temperature, top-k, top-p)."""
-    if p.greedy:  # ``sample`` takes the greedy rows' argmax for all of them at once
-        return int(row.argmax())
+    """One token from one row of logits under ``p`` (temperature, top-k, top-p); greedy rows never come here:
+    ``sample`` takes their argmax for all of them at once."""
     row = row / p.temperature
     if p.top_k > 0:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
