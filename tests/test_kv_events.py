@@ -57,9 +57,11 @@ def run():
         steps.append(pub.num_published)
     cache = llm.llm_engine.kv.allocator
     replay = pub.replay_endpoint
-    messages = []
-    while len(messages) < steps[-1] - first_seq and sub.poll(5000):
-        messages.append(sub.recv_multipart())
+    messages = []  # by sequence number: a late probe batch (the publisher sends from its own thread) is skipped
+    while (not messages or int.from_bytes(messages[-1][1], "big") < steps[-1] - 1) and sub.poll(5000):
+        m = sub.recv_multipart()
+        if int.from_bytes(m[1], "big") >= first_seq:
+            messages.append(m)
     yield dict(llm=llm, pub=pub, messages=messages, first_seq=first_seq, steps=steps, cache=cache, replay=replay,
                ctx=ctx)
     pub.close()
