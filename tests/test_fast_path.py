@@ -173,3 +173,25 @@ def test_warm_up_packs_every_projection_before_the_first_request_and_changes_not
 
 def token_ids_of(outputs):
     return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_flat_forward_runs_the_fast_path_and_reads_the_models_parts_at_every_step():
+    """The fast path's forward is ``FlatForward`` (one loop, no module calls); it reads each norm weight and
+    projection where the model keeps it, so a change made in place after the engine was built (``load_state_dict``
+    on norms and o_proj/down_proj) reaches the next step, with the reference path's numbers (float64)."""
+    from tinypaged.model.fused import FlatForward
+
+    fast = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256)
+    ref = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256, fast_path=False)
+    assert isinstance(fast.llm_engine.model.fast_forward, FlatForward) and ref.llm_engine.model.fast_forward is None
+    prompt, greedy = [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=6)
+    before = token_ids_of(fast.generate(prompt, greedy))
+    state = {k: v.clone() for k, v in fast.llm_engine.model.state_dict().items()}
+    g = torch.Generator().manual_seed(3)
+    for name, value in state.items():
+        if name.endswith(("layernorm.weight", "model.norm.weight", "o_proj.weight", "down_proj.weight")):
+            value.add_(torch.randn(value.shape, generator=g, dtype=value.dtype))
+    for llm in (fast, ref):
+        llm.llm_engine.model.load_state_dict(state)
+    after = token_ids_of(fast.generate(prompt, greedy))
+    assert after == token_ids_of(ref.generate(prompt, greedy)) and after != before

@@ -195,7 +195,9 @@ class LLMEngine:
                 for child in seqs:
                     if child.seq_id not in parents:
                         self.requests[child.request_id].seqs.append(child)
-            tokens, logprobs, failures = sample(logits[rows], seqs, self.generator, self.eos_token_ids)
+            if rows != list(range(logits.shape[0])):  # forks share their parent's row; else each row once, in order
+                logits = logits[rows]
+            tokens, logprobs, failures = sample(logits, seqs, self.generator, self.eos_token_ids)
             failed = {seqs[i].request_id: why for i, why in failures.items()}
             if failed:  # those requests fail alone; the rest of the batch carries on
                 kept = [i for i, seq in enumerate(seqs) if seq.request_id not in failed]

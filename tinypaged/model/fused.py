@@ -106,7 +106,8 @@ class SingleLinear:
 
 def fuse_projections(model) -> None:
     """Give every layer its fused [q; k; v] and [gate; up] projections; o_proj, down_proj and lm_head are single
-    GEMMs already and keep their weights, their forward goes through ``linear`` (oneDNN on a CPU). Idempotent."""
+    GEMMs already and keep their weights, their forward goes through ``linear`` (oneDNN on a CPU); the model's
+    forward becomes ``FlatForward``. Idempotent."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:
@@ -114,8 +115,73 @@ def fuse_projections(model) -> None:
         if mlp.gate_up_proj is None:
             mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
         for single in (attn.o_proj, mlp.down_proj):
-            single.forward = SingleLinear(single)
-    model.lm_head.forward = SingleLinear(model.lm_head)
+            if not isinstance(single.forward, SingleLinear):
+                single.forward = SingleLinear(single)
+    if not isinstance(model.lm_head.forward, SingleLinear):
+        model.lm_head.forward = SingleLinear(model.lm_head)
+    if model.fast_forward is None:
+        model.fast_forward = FlatForward(model)
+
+
+def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
+    """``RMSNorm.forward`` (tinypaged.model.llama) as a plain call; float32 runs torch's one-kernel ``rms_norm``,
+    other dtypes the module's own steps (half precision normalised in float32)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    return norm.forward(x)
+
+
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's cos and sin [tokens, head_dim] shaped for ``rope``: [tokens, 1, head_dim], the sine's first half
+    negated, made once per step for all layers."""
+    half = sin.shape[-1] // 2
+    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in three kernels: the halves swapped by one ``roll`` stand in for ``cat(-x2, x1)``, the
+    sign lives in ``signed_sin`` (``rope_tables``): x * cos + roll(x) * signed_sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+class FlatForward:
+    """``CausalLM.forward`` on the fast path: the same maths as one flat loop over the layers, no module calls.
+
+    A decode step of a small model on a CPU pays for Python as much as for the element-wise maths: the module
+    tree (layer -> attention -> projection, norm, MLP) is some 7 ``nn.Module`` calls per layer, each a few
+    microseconds of hooks and dispatch, before any kernel runs. This loop reads each layer's parts where the
+    model keeps them (norm weights, ``FusedLinear``/``SingleLinear`` projections, ``ctx.attend``), so a weight
+    loaded or changed in place is what the next step uses, and the attention backend, a learner's included, is
+    called as on the reference path. RoPE's cos/sin are shaped once per step (``rope_tables``); residual adds
+    and SiLU-times-up write in place into tensors the step made. ``fast_path=False`` keeps the module forward
+    that lessons 1-3 read; tests/test_fast_path.py checks both give the same numbers (float64: to 1e-10).
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            # o_proj's and down_proj's SingleLinear (their ``forward``): the module's own __call__ is skipped
+            self.layers.append((attn.layer_idx, layer.input_layernorm, attn.qkv_proj, attn.o_proj.forward, attn.scale,
+                                attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.post_attention_layernorm,
+                                mlp.gate_up_proj, mlp.down_proj.forward))
+
+    def __call__(self, input_ids, positions, ctx, logits_indices=None) -> torch.Tensor:
+        stack = self.model.model
+        x = stack.embed_tokens(input_ids)
+        cos, signed_sin = rope_tables(*stack.rotary(positions, x.dtype))
+        n = x.shape[0]
+        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+            qkv = qkv_proj(rms_norm(x, norm1)).view(n, heads + 2 * kv_heads, head_dim)
+            qk = rope(qkv[:, : heads + kv_heads], cos, signed_sin)
+            out = ctx.attend(idx, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], scale)
+            x = x + o_proj(out.reshape(n, heads * head_dim))  # a new tensor: the embedding's rows stay as they are
+            gate, up = gate_up_proj(rms_norm(x, norm2)).chunk(2, dim=-1)
+            x += down_proj(F.silu(gate).mul_(up))
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return self.model.lm_head.forward(rms_norm(x, stack.norm))
 
 
 

@@ -150,6 +150,7 @@ class CausalLM(nn.Module):
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.compiled = None  # enforce_eager=False: the same forward, compiled (tinypaged.model.compiled)
+        self.fast_forward = None  # fast_path: the same forward as one flat loop (tinypaged.model.fused.FlatForward)
 
     @property
     def num_layers(self) -> int:
@@ -159,6 +160,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, ctx, logits_indices=None) -> torch.Tensor:
         if self.compiled is not None:
             return self.compiled(input_ids, positions, ctx, logits_indices)
+        if self.fast_forward is not None:
+            return self.fast_forward(input_ids, positions, ctx, logits_indices)
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary(positions, x.dtype)
         for layer in self.model.layers:

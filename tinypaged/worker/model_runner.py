@@ -130,7 +130,9 @@ class ModelRunner:
         """Forward ``batch`` (``SchedulerOutput.batch``); returns (logits of the sampling chunks [N, vocab],
         those chunks)."""
         ids, pos, ctx, rows, sampling = self.prepare(batch)
-        logits = self.model(ids, pos, ctx, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device))
+        # every row samples (a decode-only step): no row to pick, so no copy of the hidden states
+        picks = None if len(rows) == ids.shape[0] else torch.tensor(rows, dtype=torch.long, device=self.device)
+        logits = self.model(ids, pos, ctx, logits_indices=picks)
         return (logits, sampling) if rows else (None, [])
 
     # -- sizing the KV cache -----------------------------------------------------------------
