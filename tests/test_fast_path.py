@@ -104,6 +104,29 @@ def test_every_fast_path_projection_goes_through_onednn_linear_and_equals_f_line
         assert len(calls) == expected and all(calls), fast  # every projection brings its packed weight
 
 
+def test_few_row_products_take_the_plain_blas_call_and_more_rows_the_packed_onednn_one(monkeypatch):
+    """Up to ``GEMV_ROWS`` rows (a lone request's decode step) ``fused.linear`` multiplies the plain weight with
+    the default BLAS call, which streams it faster there; from one row more it goes to oneDNN on the packed copy.
+    Both give ``F.linear``'s numbers."""
+    from tinypaged.model import fused
+
+    if not fused.ONEDNN:
+        pytest.skip("torch was built without oneDNN")
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(96, 64, generator=g), torch.randn(96, generator=g)
+    packed = fused.PackedWeight()
+    plain = []
+    f_linear = torch.nn.functional.linear
+    monkeypatch.setattr(fused.F, "linear", lambda *a: plain.append(a[0].shape[0]) or f_linear(*a))
+    for rows in range(1, fused.GEMV_ROWS + 3):
+        x = torch.randn(rows, 64, generator=g)
+        torch.testing.assert_close(fused.linear(x, w, b, packed), f_linear(x, w, b), rtol=1e-5, atol=1e-5)
+        if rows <= fused.GEMV_ROWS:
+            assert packed.tensor is None  # no blocked copy made for products that never use it
+    assert plain == list(range(1, fused.GEMV_ROWS + 1))
+    assert packed.tensor is not None
+
+
 def test_packed_weights_equal_f_linear_and_follow_every_change_to_the_weight():
     """The blocked copy oneDNN multiplies by (``PackedWeight``) gives ``F.linear``'s numbers for any row count,
     and is made again when the plain weight changes in place (``load_state_dict``, ``mul_``, a write through a

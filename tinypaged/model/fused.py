@@ -16,7 +16,10 @@ Four changes against the readable reference of lessons 1-3, each what vLLM does 
   streaming the weights costs: the blocked copy streams at about 1.6x the plain weight's rate (measured on the
   project's 2-core machine at 16 rows: 7.3 against 12.4 ms for the 30 [gate; up] weights), and the plain call is
   itself about twice the default BLAS call. oneDNN builds one primitive per new row count and shape (well under
-  a millisecond, then cached), so the first steps of each batch size pay a little once.
+  a millisecond, then cached), so the first steps of each batch size pay a little once. Below 4 rows (a lone
+  request, the last ones of a batch) the order turns: the default BLAS call's matrix-vector kernels stream the
+  plain weight faster than oneDNN streams its blocked copy, so ``linear`` sends those products there (a
+  course-only choice: vLLM's CPU backend calls oneDNN at every row count).
 * **one flat loop** (``FlatForward``): the layers run as plain tensor calls, not through the module tree (vLLM
   compiles its forward into one graph; here a compiled whole forward measured no faster than this loop).
 
@@ -82,14 +85,21 @@ class PackedWeight:
         return self.tensor
 
 
+GEMV_ROWS = 3  # up to this many rows, a float32 CPU product goes to the default BLAS call (see ``linear``)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
-    """``F.linear`` (x @ weight.T + bias); float32 on a CPU goes to oneDNN's GEMM (what vLLM's CPU backend and
-    inductor's CPU linears call), which computes a decode step's few-row products in about half the CPU time of
-    the default BLAS call (measured on the project's 2-core machine, 1 to 512 rows), on ``packed``'s blocked copy
-    of the weight when one is given. Other dtypes (oneDNN takes no float64) and devices: ``F.linear``."""
-    if ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
-        if packed is not None and weight.dtype == torch.float32 and x.shape[0] > 0:
+    """``F.linear`` (x @ weight.T + bias); float32 on a CPU with more than ``GEMV_ROWS`` rows goes to oneDNN's
+    GEMM (what vLLM's CPU backend and inductor's CPU linears call), which computes a decode step's products in
+    well under the CPU time of the default BLAS call from 4 rows up, on ``packed``'s blocked copy of the weight
+    when one is given. At 1 to 3 rows (the last requests of a batch, a lone chat) the default BLAS call on the
+    plain weight streams it faster: a SmolLM2 step's 121 products took 23.7 / 25.2 / 27.8 ms that way against
+    30.9 / 31.7 / 33.1 ms through oneDNN's blocked copy at 1 / 2 / 3 rows, but 44.2 against 33.6 ms at 4
+    (measured in the engine's process on the project's 2-core machine, 2026-12-02). Other dtypes (oneDNN takes
+    no float64) and devices: ``F.linear``."""
+    if ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > GEMV_ROWS:
+        if packed is not None and weight.dtype == torch.float32:
             weight = packed.of(weight)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
