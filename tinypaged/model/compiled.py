@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged.model import fused
+from tinypaged.model.llama import apply_rope, rms_norm
 
 
 @torch.library.custom_op("tinypaged::linear", mutates_args=())
@@ -45,19 +46,6 @@ def _(x, weight, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _rms_norm(x, weight, eps):
-    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-    h = x.to(compute)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _rope(x, cos, sin):
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 def _one_graph_for_all_sizes():
     """Compile for a symbolic token count without torch's specialisation of size 1 and without "duck sizing"
     (which would tie the token count to a head count that happens to equal it on the first call)."""
@@ -67,17 +55,17 @@ def _one_graph_for_all_sizes():
 def before_attention(hidden, residual, norm_w, eps: float, qkv_w, qkv_b, cos, sin, heads: int, kv_heads: int):
     """(q, k, v, residual): the residual stream so far, normed, projected, rotated."""
     residual = hidden + residual
-    x = _rms_norm(residual, norm_w, eps)
+    x = rms_norm(residual, norm_w, eps)
     n, d = x.shape[0], cos.shape[-1]
     qkv = linear(x, qkv_w, qkv_b).view(n, heads + 2 * kv_heads, d)
-    qk = _rope(qkv[:, : heads + kv_heads], cos, sin)
+    qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)
     return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], residual
 
 
 def after_attention(attn, residual, o_w, o_b, norm_w, eps: float, gate_up_w, down_w):
     """(mlp output, residual): o_proj onto the residual stream, then the MLP on its norm."""
     residual = residual + linear(attn, o_w, o_b)
-    x = _rms_norm(residual, norm_w, eps)
+    x = rms_norm(residual, norm_w, eps)
     gate, up = linear(x, gate_up_w).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, down_w), residual
 

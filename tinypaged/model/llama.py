@@ -13,6 +13,14 @@ from torch import nn
 import torch.nn.functional as F
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm's maths. Half precision is normalised in float32 (as Hugging Face does); float32/64 stay as they are."""
+    compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    h = x.to(compute)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -20,11 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Half precision is normalised in float32 (as Hugging Face does); float32/64 stay as they are.
-        compute = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        h = x.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
