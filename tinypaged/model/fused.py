@@ -17,9 +17,10 @@ Four changes against the readable reference of lessons 1-3, each what vLLM does 
   project's 2-core machine at 16 rows: 7.3 against 12.4 ms for the 30 [gate; up] weights), and the plain call is
   itself about twice the default BLAS call. oneDNN builds one primitive per new row count and shape (well under
   a millisecond, then cached), so the first steps of each batch size pay a little once. Below 4 rows (a lone
-  request, the last ones of a batch) the order turns: the default BLAS call's matrix-vector kernels stream the
-  plain weight faster than oneDNN streams its blocked copy, so ``linear`` sends those products there (a
-  course-only choice: vLLM's CPU backend calls oneDNN at every row count).
+  request, the last ones of a batch) on an Intel CPU the order turns: MKL's matrix-vector kernels stream the plain
+  weight faster than oneDNN streams its blocked copy, so ``linear`` sends those products there (a course-only
+  choice: vLLM's CPU backend calls oneDNN at every row count). On other CPUs MKL takes slower code paths and
+  oneDNN wins at every row count (``GEMV_ROWS`` is 0 there).
 * **one flat loop** (``FlatForward``): the layers run as plain tensor calls, not through the module tree (vLLM
   compiles its forward into one graph; here a compiled whole forward measured no faster than this loop).
 
@@ -85,7 +86,27 @@ class PackedWeight:
         return self.tensor
 
 
-GEMV_ROWS = 3  # up to this many rows, a float32 CPU product goes to the default BLAS call (see ``linear``)
+def mkl_on_intel() -> bool:
+    """Whether torch's BLAS is MKL and this CPU is an Intel one: where MKL's matrix-vector kernels are tuned."""
+    import platform
+    import sys
+
+    if not torch.backends.mkl.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    if sys.platform == "darwin":
+        return True  # every x86 Mac has an Intel CPU
+    if sys.platform == "win32":
+        return "GenuineIntel" in platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:
+        return False
+
+
+# up to this many rows, a float32 CPU product goes to the default BLAS call (see ``linear``): MKL's matrix-vector
+# kernels on an Intel CPU; elsewhere none (oneDNN at every row count)
+GEMV_ROWS = 3 if mkl_on_intel() else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -93,11 +114,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` (x @ weight.T + bias); float32 on a CPU with more than ``GEMV_ROWS`` rows goes to oneDNN's
     GEMM (what vLLM's CPU backend and inductor's CPU linears call), which computes a decode step's products in
     well under the CPU time of the default BLAS call from 4 rows up, on ``packed``'s blocked copy of the weight
-    when one is given. At 1 to 3 rows (the last requests of a batch, a lone chat) the default BLAS call on the
-    plain weight streams it faster: a SmolLM2 step's 121 products took 23.7 / 25.2 / 27.8 ms that way against
-    30.9 / 31.7 / 33.1 ms through oneDNN's blocked copy at 1 / 2 / 3 rows, but 44.2 against 33.6 ms at 4
-    (measured in the engine's process on the project's 2-core machine, 2026-12-02). Other dtypes (oneDNN takes
-    no float64) and devices: ``F.linear``."""
+    when one is given. At 1 to 3 rows (the last requests of a batch, a lone chat) on an Intel CPU, MKL's
+    matrix-vector kernels stream the plain weight faster: a SmolLM2 step's 121 products took 21.6 / 23.2 ms that
+    way against 29.6 / 30.0 ms through oneDNN's blocked copy at 1 / 2 rows (stop 38's machine, whose CPU model
+    was not recorded; MKL's speed there points to an Intel part). On an AMD EPYC (2026-12-02, 18:30 UTC) the
+    same call took 47.6-52.1 / 83.7-100.7 / 104.3-124.6 ms at 1 / 2 / 3 rows against oneDNN's 25.8-35.5 /
+    28.2-37.0 / 28.3-42.8 ms: MKL runs slower code paths on other vendors' CPUs, so ``GEMV_ROWS`` is 0 there.
+    Other dtypes (oneDNN takes no float64) and devices: ``F.linear``."""
     if ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > GEMV_ROWS:
         if packed is not None and weight.dtype == torch.float32:
             weight = packed.of(weight)
