@@ -118,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     matrix-vector kernels stream the plain weight faster: a SmolLM2 step's 121 products took 21.6 / 23.2 ms that
     way against 29.6 / 30.0 ms through oneDNN's blocked copy at 1 / 2 rows (stop 38's machine, whose CPU model
     was not recorded; MKL's speed there points to an Intel part). On an AMD EPYC (2026-12-02, 18:30 UTC) the
-    same call took 47.6-52.1 / 83.7-100.7 / 104.3-124.6 ms at 1 / 2 / 3 rows against oneDNN's 25.8-35.5 /
+    same call took 47.6-52.1 / 83.7-100.7 / 104.3-124.8 ms at 1 / 2 / 3 rows against oneDNN's 25.8-35.0 /
     28.2-37.0 / 28.3-42.8 ms: MKL runs slower code paths on other vendors' CPUs, so ``GEMV_ROWS`` is 0 there.
     Other dtypes (oneDNN takes no float64) and devices: ``F.linear``."""
     if ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > GEMV_ROWS:
