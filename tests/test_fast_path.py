@@ -201,7 +201,8 @@ def test_packed_weights_equal_f_linear_and_follow_every_change_to_the_weight():
 
 def test_warm_up_packs_every_projection_before_the_first_request_and_changes_nothing():
     """``fused.warm_up`` (the engine core runs it before it says Ready, as vLLM's server warms its model): every
-    projection's packed copy exists afterwards, one product per weight shape and decode batch size was run, and
+    projection's packed copy exists afterwards, one product per weight shape and decode batch size (up to
+    ``WARM_ROWS``) was run, and
     the engine generates what a cold one generates, with no step counted."""
     from tinypaged.model import fused
 
@@ -222,6 +223,8 @@ def test_warm_up_packs_every_projection_before_the_first_request_and_changes_not
                                        model.model.layers[0].mlp.down_proj.weight)}
     assert fused.warm_up(model, 4) == 4 * len(shapes)
     assert all(p.tensor is not None for p in packs) and llm.get_metrics()["num_steps"] == 0
+    # batches past WARM_ROWS are not warmed: the default max_num_seqs (256) runs 32 products per shape, not 256
+    assert fused.warm_up(model, llm.llm_engine.config.max_num_seqs) == fused.WARM_ROWS * len(shapes) < 256 * len(shapes)
     assert token_ids_of(llm.generate(prompt, greedy)) == token_ids_of(cold)
     reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
     assert fused.warm_up(reference.llm_engine.model, 4) == 0

@@ -6,7 +6,7 @@ Each fixture is an edit of a generated exercise or a solution (see tests/fixture
 stand for the repository, the course folder, the submissions' folder and a file no sandbox may create).
 ``run: code`` fixtures attack the grade through the solution cells (graded without the feedback run);
 ``run: kernel`` ones attack the learner's kernel (added cells: only the feedback run executes them).
-Limits are small here (20 CPU seconds per check, 60 for the serving check) so the hangs cost little.
+Limits are small here (10 CPU seconds per check, 30 for the serving check) so the hangs cost little.
 The ``run: kernel`` fixtures, the escape cell's own printout and the crashes are in
 tests/test_hostile_submissions_kernel.py (a second file: pytest-xdist's ``--dist loadfile`` runs the two on both
 workers); the helpers here serve both, and tests/test_instructors.py.
@@ -29,7 +29,8 @@ from tinypaged.course.grading import notebook as nbk
 ROOT = coursework.ROOT
 FIXTURES = ROOT / "tests" / "fixtures" / "submissions"
 # a hang in the serving check costs its whole budget (300 CPU s by default; an honest one uses a few)
-LIMITS = ["--cpu-timeout", "20", "--serving-cpu-timeout", "60", "--timeout", "90", "--idle", "60"]
+# (honest stage-2 and stage-3 work: the whole submission in 12-19 s of wall time on the project's slower AMD machine)
+LIMITS = ["--cpu-timeout", "10", "--serving-cpu-timeout", "30", "--timeout", "60", "--idle", "30"]
 WATCHED = [ROOT / "tinypaged" / "course" / "checks" / "stage02.py", ROOT / "solutions" / "02_block_table.ipynb"]
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
