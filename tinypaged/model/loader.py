@@ -268,6 +268,32 @@ def resolve_model_folder(model: str) -> Path | None:
                      f"folder holding config.json and safetensors weights (no hub downloads).")
 
 
+# config.json keys the model code reads (tinypaged/model/llama.py): a folder whose config.json names them all is
+# read without its architecture's config class (see load_config)
+CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "head_dim",
+               "attention_bias", "rope_parameters")
+
+
+def load_config(folder: Path):
+    """The folder's model configuration. A complete config.json (every key in ``CONFIG_KEYS``, as transformers
+    writes it and as ``prepare`` converts SmolLM2) becomes a plain ``PreTrainedConfig`` with exactly those values:
+    importing the architecture's class (``LlamaConfig``) imports transformers' model stack, 3-4 s in every
+    process that loads a model. A config.json that leaves any of them to its class's defaults is read by
+    ``AutoConfig``, which knows them."""
+    data = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if all(k in data for k in CONFIG_KEYS) and data["model_type"] in SUPPORTED_ARCHITECTURES \
+            and (data["rope_parameters"] or {}).get("rope_type", "default") == "default":
+        from transformers.configuration_utils import PreTrainedConfig
+
+        config = PreTrainedConfig.from_dict({k: v for k, v in data.items() if k != "model_type"})
+        config.model_type = data["model_type"]
+        return config
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder)
+
+
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """Build tinypaged's own ``CausalLM`` and fill it with the named weights."""
     if model == TINY:
@@ -277,11 +303,10 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
         return ours.to(device=device, dtype=dtype).eval()
     folder = resolve_model_folder(model)
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     shards = sorted(folder.glob("*.safetensors"))
     check_model_files(folder, ["config.json", *(p.name for p in shards)])
-    hf_config = AutoConfig.from_pretrained(folder)
+    hf_config = load_config(folder)
     if hf_config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"Model {model!r} is a {hf_config.model_type!r} model; tinypaged runs {SUPPORTED_ARCHITECTURES}"
@@ -294,9 +319,11 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
             raise damaged_file_error(shard, exc) from exc
     if not state:
         raise ValueError(f"No *.safetensors weights in {folder}")
-    with torch.device("meta"):
+    # built on the CPU and initialised there (then overwritten by load_state_dict), the global random state
+    # left as it was: on the meta device the initialisers run through torch's Python references, whose first
+    # call imports torch._dynamo (about 2 s, against well under 1 s for the initialisers themselves)
+    with torch.random.fork_rng(devices=[]):
         ours = CausalLM(hf_config)
-    ours = ours.to_empty(device="cpu")
     ours.model.rotary = type(ours.model.rotary)(hf_config)  # buffers are computed, not loaded
     missing, unexpected = ours.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and hf_config.tie_word_embeddings)]
@@ -313,8 +340,6 @@ def load_tokenizer(model: str):
     "tiny" borrows SmolLM2's; where SmolLM2 is not installed (a GPU box that only runs the kernel and
     "tiny" checks) it has none, and runs on token ids.
     """
-    from transformers import AutoTokenizer
-
     if model == TINY:
         try:
             folder = smollm2_folder()
@@ -325,6 +350,18 @@ def load_tokenizer(model: str):
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     check_model_files(folder, ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"))
+    try:
+        named = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except FileNotFoundError:
+        named = None
+    if named == "TokenizersBackend" and (folder / "tokenizer.json").exists():
+        # the class AutoTokenizer would pick for this folder, imported directly: AutoTokenizer first imports
+        # transformers' model stack (torch._dynamo, torch.distributed.tensor: 3-5 s in every process)
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(folder)
 
 
