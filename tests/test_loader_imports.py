@@ -9,6 +9,7 @@ import sys
 
 from tinypaged.model import loader
 
+
 def test_the_plain_config_has_the_values_of_transformers_own_class(tmp_path):
     from transformers import AutoConfig
 

@@ -321,7 +321,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int =
         raise ValueError(f"No *.safetensors weights in {folder}")
     # built on the CPU and initialised there (then overwritten by load_state_dict), the global random state
     # left as it was: on the meta device the initialisers run through torch's Python references, whose first
-    # call imports torch._dynamo (about 2 s, against well under 1 s for the initialisers themselves)
+    # call imports torch._dynamo (about 2 s in a fresh process)
     with torch.random.fork_rng(devices=[]):
         ours = CausalLM(hf_config)
     ours.model.rotary = type(ours.model.rotary)(hf_config)  # buffers are computed, not loaded
