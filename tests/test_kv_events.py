@@ -5,6 +5,7 @@ vLLM's own event classes in .venv-vllm."""
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import zmq
@@ -37,6 +38,20 @@ def run():
                          "replay_endpoint": "tcp://127.0.0.1:0"})
     llm = cli_args.build_llm(_args(config))
     pub = llm.llm_engine.kv_event_publisher
+    # the publisher counts a batch once its own thread has sent it: wait for every batch handed to it
+    handed, publish = [0], pub.publish
+
+    def counted(batch):
+        handed[0] += 1
+        publish(batch)
+
+    def settled() -> int:
+        deadline = time.monotonic() + 30
+        while pub.num_published < handed[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return pub.num_published
+
+    pub.publish = counted
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -50,11 +65,11 @@ def run():
         pytest.fail("the subscriber never joined the publisher")
     while sub.poll(200):
         sub.recv_multipart()
-    first_seq = pub.num_published
+    first_seq = settled()
     steps = []
     for prompt in (BASE, SHARED, LONG):
         llm.generate([{"prompt_token_ids": prompt}], GREEDY)
-        steps.append(pub.num_published)
+        steps.append(settled())
     cache = llm.llm_engine.kv.allocator
     replay = pub.replay_endpoint
     messages = []  # by sequence number: a late probe batch (the publisher sends from its own thread) is skipped
@@ -147,6 +162,20 @@ def test_vllm_decodes_the_payloads(run, tmp_path):
 def test_close_sends_all_blocks_cleared():
     llm = cli_args.build_llm(_args(json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"})))
     pub = llm.llm_engine.kv_event_publisher
+    # the publisher counts a batch once its own thread has sent it: wait for every batch handed to it
+    handed, publish = [0], pub.publish
+
+    def counted(batch):
+        handed[0] += 1
+        publish(batch)
+
+    def settled() -> int:
+        deadline = time.monotonic() + 30
+        while pub.num_published < handed[0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return pub.num_published
+
+    pub.publish = counted
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
