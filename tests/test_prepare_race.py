@@ -61,9 +61,12 @@ def fake_convert(staging: Path, log: Path, hold: Path | None = None) -> None:
 
 
 def leftovers(cache: Path) -> list[str]:
-    """Everything in the cache but the finished folder, the lock file and the grader's own folder (student editions
-    and the sandbox's readable model copy: ``tinypaged.course.grading.sandbox.grader_cache``)."""
-    return sorted(p.name for p in cache.iterdir() if p.name not in (NAME, NAME + ".lock", "grading"))
+    """Everything in the cache but the finished folders (SmolLM2's, and "tiny"'s saved weights: ``ml.tiny_folder``),
+    their lock files and the grader's own folder (student editions and the sandbox's readable model copy:
+    ``tinypaged.course.grading.sandbox.grader_cache``)."""
+    done = [NAME] + [p.name for p in cache.glob("tiny-seed*") if p.is_dir() and ml._tiny_complete(p)]
+    keep = {"grading", *done, *(name + ".lock" for name in done)}
+    return sorted(p.name for p in cache.iterdir() if p.name not in keep)
 
 
 @pytest.fixture
