@@ -41,18 +41,25 @@ def test_the_tokenizer_is_the_one_autotokenizer_picks():
     assert ours.all_special_ids == theirs.all_special_ids and ours.eos_token_id == theirs.eos_token_id
 
 
-def test_a_process_that_serves_smollm2_never_imports_the_model_stack():
+def greedy_in_a_fresh_process(llm_args: str, prompt: str, max_tokens: int):
+    """``LLM(llm_args)``'s greedy tokens for ``prompt`` in a new process, and which heavy modules it imported."""
     code = ("import sys\n"
             "from tinypaged import LLM, SamplingParams\n"
-            "llm = LLM('smollm2-135m', dtype='float32', device='cpu', max_num_seqs=2, max_model_len=64)\n"
-            "out = llm.generate(['Once upon a time'], SamplingParams(temperature=0, max_tokens=4))\n"
+            f"llm = LLM({llm_args})\n"
+            f"out = llm.generate([{prompt}], SamplingParams(temperature=0, max_tokens={max_tokens}))\n"
             "print(out[0].outputs[0].token_ids)\n"
             "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', 'transformers.activations',\n"
             "      'transformers.models.llama.configuration_llama') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     tokens, heavy = proc.stdout.strip().splitlines()[-2:]
-    assert json.loads(tokens) == [28, 260, 2240, 282]  # the greedy tokens the full load gives
+    return json.loads(tokens), heavy
+
+
+def test_a_process_that_serves_smollm2_never_imports_the_model_stack():
+    tokens, heavy = greedy_in_a_fresh_process("'smollm2-135m', dtype='float32', device='cpu', max_num_seqs=2, "
+                                              "max_model_len=64", "'Once upon a time'", 4)
+    assert tokens == [28, 260, 2240, 282]  # the greedy tokens the full load gives
     assert heavy == "[]", heavy
 
 
@@ -106,19 +113,11 @@ def test_tiny_without_a_usable_cache_is_built_in_memory(tmp_path, monkeypatch):
 
 def test_a_process_that_runs_tiny_from_the_cache_never_imports_the_model_stack():
     loader.tiny_folder(0)  # the cache the process below reads (prepare makes it)
-    code = ("import sys\n"
-            "from tinypaged import LLM, SamplingParams\n"
-            "llm = LLM('tiny', dtype='float64', device='cpu')\n"
-            "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=6))\n"
-            "print(out[0].outputs[0].token_ids)\n"
-            "print(sorted(m for m in ('torch._dynamo', 'torch.distributed.tensor', 'transformers.activations',\n"
-            "      'transformers.models.llama.configuration_llama') if m in sys.modules))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    tokens, heavy = proc.stdout.strip().splitlines()[-2:]
+    tokens, heavy = greedy_in_a_fresh_process("'tiny', dtype='float64', device='cpu'",
+                                              "{'prompt_token_ids': [5, 6, 7]}", 6)
     assert heavy == "[]", heavy
     import torch
 
     hf = loader.tiny_hf_model(seed=0).double()
     ref = hf.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, pad_token_id=0)[0, 3:].tolist()
-    assert json.loads(tokens) == ref  # transformers' own greedy tokens
+    assert tokens == ref  # transformers' own greedy tokens
