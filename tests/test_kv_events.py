@@ -31,14 +31,9 @@ def _args(config: str, *more):
                           "--enable-prefix-caching", "--kv-events-config", config, *more])
 
 
-@pytest.fixture(scope="module")
-def run():
-    """``serve``'s engine built from its flags (build_llm), three generate calls, every message received."""
-    config = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "topic": "kv",
-                         "replay_endpoint": "tcp://127.0.0.1:0"})
-    llm = cli_args.build_llm(_args(config))
-    pub = llm.llm_engine.kv_event_publisher
-    # the publisher counts a batch once its own thread has sent it: wait for every batch handed to it
+def count_until_sent(pub):
+    """Count the batches handed to ``pub``; the returned ``settled()`` waits (30 s at most) until the publisher's
+    thread has sent them all (it counts a batch only once sent) and returns ``num_published``."""
     handed, publish = [0], pub.publish
 
     def counted(batch):
@@ -52,6 +47,17 @@ def run():
         return pub.num_published
 
     pub.publish = counted
+    return settled
+
+
+@pytest.fixture(scope="module")
+def run():
+    """``serve``'s engine built from its flags (build_llm), three generate calls, every message received."""
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0", "topic": "kv",
+                         "replay_endpoint": "tcp://127.0.0.1:0"})
+    llm = cli_args.build_llm(_args(config))
+    pub = llm.llm_engine.kv_event_publisher
+    settled = count_until_sent(pub)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
@@ -162,20 +168,7 @@ def test_vllm_decodes_the_payloads(run, tmp_path):
 def test_close_sends_all_blocks_cleared():
     llm = cli_args.build_llm(_args(json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:0"})))
     pub = llm.llm_engine.kv_event_publisher
-    # the publisher counts a batch once its own thread has sent it: wait for every batch handed to it
-    handed, publish = [0], pub.publish
-
-    def counted(batch):
-        handed[0] += 1
-        publish(batch)
-
-    def settled() -> int:
-        deadline = time.monotonic() + 30
-        while pub.num_published < handed[0] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return pub.num_published
-
-    pub.publish = counted
+    settled = count_until_sent(pub)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
