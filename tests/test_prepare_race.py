@@ -61,10 +61,11 @@ def fake_convert(staging: Path, log: Path, hold: Path | None = None) -> None:
 
 
 def leftovers(cache: Path) -> list[str]:
-    """Everything in the cache but the finished folders (SmolLM2's, and "tiny"'s saved weights: ``ml.tiny_folder``),
-    their lock files and the grader's own folder (student editions and the sandbox's readable model copy:
-    ``tinypaged.course.grading.sandbox.grader_cache``)."""
+    """Everything in the cache but the finished folders (SmolLM2's, "tiny"'s saved weights: ``ml.tiny_folder``, and
+    the built CPU operators: ``tinypaged.cpu_native``), their lock files and the grader's own folder (student editions
+    and the sandbox's readable model copy: ``tinypaged.course.grading.sandbox.grader_cache``)."""
     done = [NAME] + [p.name for p in cache.glob("tiny-seed*") if p.is_dir() and ml._tiny_complete(p)]
+    done += [p.name for p in cache.glob("cpu-ops-*") if (p / "cpu_ops.so").is_file()]
     keep = {"grading", *done, *(name + ".lock" for name in done)}
     return sorted(p.name for p in cache.iterdir() if p.name not in keep)
 

@@ -98,6 +98,11 @@ def run(args) -> int:
         print(f"SmolLM2 ready in {smollm2_folder(repair=True)}")
         tiny = tiny_folder(0)
         print(f"tiny ready in {tiny}" if tiny is not None else "tiny: the cache is not writable; it is built in memory")
+        from tinypaged import cpu_native
+
+        ops = cpu_native.build()
+        print(f"CPU operators ready in {ops.parent}" if ops is not None
+              else f"CPU operators not built ({cpu_native.why()}): the torch code runs instead")
         return 0
     from tinypaged import LLM, SamplingParams
 

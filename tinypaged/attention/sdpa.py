@@ -2,7 +2,9 @@
 
 ``TorchBackend``'s slots and masks, ``torch.nn.functional.scaled_dot_product_attention`` for the maths (one
 kernel, no [B, H, C] score tensor kept around). ``attention_backend="sdpa"``, the default when
-``fast_path`` is on; tests/test_fast_path.py checks it equals the reference ``TorchBackend``.
+``fast_path`` is on; tests/test_fast_path.py checks it equals the reference ``TorchBackend``. On a float32 CPU
+where tinypaged's C++ operators are built (``tinypaged.cpu_native``), decode reads the cache in place through the
+same slots instead of gathering copies for torch's kernel (tests/test_cpu_native.py checks the two agree).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinypaged import cpu_native
 from tinypaged.attention.backends import TorchBackend
 
 
@@ -24,6 +27,14 @@ class SDPABackend(TorchBackend):
         value_cache.index_copy_(0, slot_mapping, value)
 
     def decode(self, query, key_cache, value_cache, batch, scale: float) -> torch.Tensor:
+        native = cpu_native.usable(query)
+        if native is not None and key_cache.dtype == torch.float32:
+            # tinypaged's C++ decode attention reads the cache in place through the same slots (vLLM's CPU
+            # backend reads its paged cache from C++ too): no gathered copies, no mask
+            if "native" not in batch.per_step:
+                batch.per_step["native"] = batch.context_slots.contiguous(), batch.context_lens.to(torch.long).contiguous()
+            slots, lens = batch.per_step["native"]
+            return native.decode_attention(query, key_cache, value_cache, slots, lens, scale)
         b, h, d = query.shape
         kvh = key_cache.shape[1]
         if "sdpa" not in batch.per_step:  # the same for every layer of the step: made once

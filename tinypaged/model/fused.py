@@ -1,6 +1,6 @@
 """The engine's fast path (course-only knob ``fast_path``, on by default): the same maths, fewer kernels.
 
-Four changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
+Five changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
 
 * **fused projections**: q, k and v read the same input, and so do gate and up; stacking their weights
   makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): four
@@ -23,6 +23,10 @@ Four changes against the readable reference of lessons 1-3, each what vLLM does 
   oneDNN wins at every row count (``GEMV_ROWS`` is 0 there).
 * **one flat loop** (``FlatForward``): the layers run as plain tensor calls, not through the module tree (vLLM
   compiles its forward into one graph; here a compiled whole forward measured no faster than this loop).
+* **C++ operators on a float32 CPU** (``tinypaged.cpu_native``, where this machine can build them): the residual
+  add fused into the RMSNorm after it, RoPE in place, SiLU-and-multiply, and decode attention reading the cache in
+  place (``SDPABackend.decode``), each one call instead of a handful of torch operators, as vLLM's CPU backend
+  runs its own C++ for that work. Elsewhere the same loop runs on torch's operators.
 
 ``fast_path=False`` runs the reference path; tests/test_fast_path.py checks both give the same numbers.
 """
@@ -32,6 +36,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tinypaged import cpu_native
+from tinypaged.attention.backends import ForwardContext
+from tinypaged.attention.sdpa import SDPABackend
 
 
 class FusedLinear:
@@ -206,6 +214,9 @@ class FlatForward:
         stack = self.model.model
         x = stack.embed_tokens(input_ids)
         cos, signed_sin = rope_tables(*stack.rotary(positions, x.dtype))
+        native = cpu_native.usable(x)
+        if native is not None:
+            return self.native(native, x, cos, signed_sin, ctx, logits_indices)
         n = x.shape[0]
         for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
             qkv = qkv_proj(rms_norm(x, norm1)).view(n, heads + 2 * kv_heads, head_dim)
@@ -218,6 +229,101 @@ class FlatForward:
             x = x[logits_indices]
         return self.model.lm_head.forward(rms_norm(x, stack.norm))
 
+    def one_call_weights(self):
+        """Per layer, what ``decode_layers`` reads, or None where this model is not the shape it runs (a bias on
+        o_proj, down_proj or [gate; up], norms or scales that differ between layers). Read at each step, so a weight
+        changed in place reaches the next step (oneDNN's copies are repacked by ``PackedWeight``)."""
+        model = self.model.model
+        first = self.layers[0]
+        lists = [[], [], [], [], [], [], []]
+        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+            singles = (o_proj.layer, down_proj.layer)
+            if (not isinstance(qkv_proj, FusedLinear) or not isinstance(gate_up_proj, FusedLinear) or gate_up_proj.bias
+                    is not None or any(s.bias is not None for s in singles) or (scale, heads, kv_heads, head_dim)
+                    != first[4:8] or norm1.eps != first[1].eps or norm2.eps != first[1].eps):
+                return None
+            for out, tensor in zip(lists, (norm1.weight, qkv_proj.packed.of(qkv_proj.weight), qkv_proj.bias,
+                                           o_proj.packed.of(o_proj.layer.weight), norm2.weight,
+                                           gate_up_proj.packed.of(gate_up_proj.weight),
+                                           down_proj.packed.of(down_proj.layer.weight))):
+                out.append(tensor)
+        if model.norm.eps != first[1].eps:
+            return None
+        return lists
+
+    def native(self, ops, x, cos, signed_sin, ctx, logits_indices) -> torch.Tensor:
+        """The same loop on a float32 CPU with tinypaged's C++ operators (``tinypaged.cpu_native``): each residual
+        add is fused into the RMSNorm after it and runs in place on ``x`` (the embedding lookup's own new tensor),
+        RoPE runs in place on the fused qkv, SiLU-and-multiply is one call. Attention still goes through
+        ``ctx.attend`` and the step's backend."""
+        stack = self.model.model
+        n = x.shape[0]
+        cos, signed_sin = cos.view(n, -1), signed_sin.view(n, -1)
+        weights = self.one_call_weights() if one_call_applies(ctx, n) else None
+        if weights is not None:
+            _, _, _, _, scale, heads, kv_heads, _, norm1, _, _ = self.layers[0]
+            slots, lens, row_seq = one_call_context(ctx, n)
+            residual = ops.decode_layers(x, cos, signed_sin, *weights, ctx.keys, ctx.values, ctx.slot_mapping, slots,
+                                         lens, row_seq, heads, kv_heads, norm1.eps, scale)
+            if logits_indices is not None:
+                x, residual = x[logits_indices], residual[logits_indices]
+            return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
+        residual = None  # the last product not yet added to x
+        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+            qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads, head_dim)
+            ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
+            out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
+            h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
+            residual = down_proj(ops.silu_mul(gate_up_proj(h)))
+        if logits_indices is not None:
+            x, residual = x[logits_indices], residual[logits_indices]
+        return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
+
+
+
+DECODE_IN_ONE_CALL = True  # course-only; tinypaged.lab.step_profile turns it off to time each part from Python
+
+
+def one_call_applies(ctx, rows: int) -> bool:
+    """Whether a step can run as ``decode_layers``' one C++ call (decodes and prefill chunks alike): the default
+    ``SDPABackend`` neither subclassed nor patched (a learner's or a test's backend is always called), the products
+    all on oneDNN (more than ``GEMV_ROWS`` rows; ``linear`` and the projections' calls not wrapped) and the caches
+    contiguous."""
+    decode, backend = ctx.decode, ctx.backend
+    return (DECODE_IN_ONE_CALL and ONEDNN and rows > GEMV_ROWS and (decode is None or decode.context_slots is not None)
+            and type(backend) is SDPABackend
+            and "decode" not in vars(backend) and "write" not in vars(backend)
+            and (SDPABackend.decode, SDPABackend.write, ForwardContext.attend, linear, FusedLinear.__call__,
+                 SingleLinear.__call__) == _AS_DEFINED
+            and ctx.keys.is_contiguous() and ctx.values.is_contiguous())
+
+
+def one_call_context(ctx, rows: int):
+    """Where each row's keys are, for ``decode_layers``: ``context_slots`` [S, L] (a row per decoding sequence, then
+    one per prefill chunk), each row's count of visible keys [rows] (a chunk's rows see one more key each: the causal
+    mask) and the slots row each token reads [rows] (None when all rows are decodes in order)."""
+    decode = ctx.decode
+    if decode is not None and not ctx.prefills and decode.rows.numel() == rows:
+        return decode.context_slots.contiguous(), decode.context_lens.to(torch.long).contiguous(), None
+    seqs = decode.rows.numel() if decode is not None else 0
+    width = max([decode.context_slots.shape[1]] if decode is not None else [1])
+    width = max([width] + [slots.numel() for _, _, slots, _ in ctx.prefills])
+    table = torch.zeros(seqs + len(ctx.prefills), width, dtype=torch.long)
+    lens, row_seq = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
+    if decode is not None:
+        table[:seqs, :decode.context_slots.shape[1]] = decode.context_slots
+        lens[decode.rows] = decode.context_lens.to(torch.long)
+        row_seq[decode.rows] = torch.arange(seqs)
+    for i, (start, end, slots, first_pos) in enumerate(ctx.prefills):
+        table[seqs + i, :slots.numel()] = slots
+        lens[start:end] = torch.arange(first_pos + 1, first_pos + 1 + end - start)
+        row_seq[start:end] = seqs + i
+    return table, lens, row_seq  # a row no chunk covers keeps length 0, which decode_attention refuses
+
+
+# as defined here: where a test or a profiler has wrapped one of them, the step calls the wrapper, never bypasses it
+_AS_DEFINED = (SDPABackend.decode, SDPABackend.write, ForwardContext.attend, linear, FusedLinear.__call__,
+               SingleLinear.__call__)
 
 
 WARM_ROWS = PACK_ROWS  # warm_up builds oneDNN's primitives for decode batches of 1 to this many rows

@@ -44,6 +44,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tinypaged import cpu_native
+
 NOBODY = 65534
 EDITION = Path("/opt/tinypaged")  # where the student edition is seen inside (on PYTHONPATH)
 WORK = Path("/scratch")  # the private tmpfs inside: working directory, HOME, TMPDIR
@@ -102,13 +104,15 @@ def _package_hooks() -> list[Path]:
 
 
 def _model_dirs() -> list[Path]:
-    """The model folders the checks load (those that exist): SmolLM2 converted, and "tiny"'s saved weights
-    (without them each check process would build "tiny" through transformers' model stack)."""
+    """The model folders the checks load (those that exist): SmolLM2 converted, "tiny"'s saved weights
+    (without them each check process would build "tiny" through transformers' model stack) and the built CPU
+    operators (``tinypaged.cpu_native``)."""
     from tinypaged.model import loader as model_loader
 
     root = model_loader.cache_dir()
     tiny = model_loader.tiny_folder(0)
-    return sorted(p for p in [root / "smollm2-135m-instruct", tiny] if p is not None and p.is_dir())
+    ops = cpu_native.built_folder()  # the C++ CPU operators, where built: loaded inside, never compiled there
+    return sorted(p for p in [root / "smollm2-135m-instruct", tiny, ops] if p is not None and p.is_dir())
 
 
 def _readable_view(folder: Path) -> Path:
@@ -343,7 +347,8 @@ class Sandbox:
                     JUPYTER_RUNTIME_DIR=f"{s}/.jupyter-runtime", IPYTHONDIR=f"{s}/.ipython",
                     XDG_CACHE_HOME=f"{s}/.cache", TINYPAGED_CACHE=str(model_loader.cache_dir()),
                     HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                    TRANSFORMERS_NO_ADVISORY_WARNINGS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1")
+                    TRANSFORMERS_NO_ADVISORY_WARNINGS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONNOUSERSITE="1",
+                    TINYPAGED_CPU_OPS="0" if os.environ.get(cpu_native.ENV) == "0" else "load")
         keep["PATH"] = str(Path(sys.executable).parent) + os.pathsep + "/usr/local/bin:/usr/bin:/bin"
         if self.edition is not None:
             keep["PYTHONPATH"] = str(self.edition) if self.unsafe else str(EDITION)

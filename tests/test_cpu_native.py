@@ -1,0 +1,202 @@
+"""tinypaged's C++ CPU operators (``tinypaged.cpu_native``): each one equals the torch code it stands in for, the
+engine gives the same tokens with and without them, bad input is refused by name, and where they cannot be built
+the torch code runs."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tinypaged import LLM, SamplingParams, cpu_native
+from tinypaged.attention.backends import DecodeBatch
+from tinypaged.attention.sdpa import SDPABackend
+from tinypaged.model.fused import rope, rope_tables
+
+BUILDABLE = sys.platform.startswith("linux") and cpu_native.compiler() is not None
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = cpu_native.ops()
+    if ops is None:
+        if BUILDABLE and cpu_native.why() != f"{cpu_native.ENV}=0":
+            pytest.fail(f"a C++ compiler is here but the CPU operators were not built: {cpu_native.why()}")
+        pytest.skip(f"no CPU operators here: {cpu_native.why()}")
+    return ops
+
+
+def test_add_rms_norm_adds_in_place_then_normalises(ops):
+    g = torch.Generator().manual_seed(0)
+    x, residual, w = (torch.randn(shape, generator=g) for shape in ((5, 576), (5, 576), (576,)))
+    inout = x.clone()
+    out = ops.add_rms_norm(inout, residual, w, 1e-5)
+    torch.testing.assert_close(inout, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, F.rms_norm(x + residual, (576,), w, 1e-5), rtol=1e-5, atol=1e-5)
+    alone = x.clone()
+    torch.testing.assert_close(ops.add_rms_norm(alone, None, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+    assert torch.equal(alone, x)  # no residual: x is not touched
+
+
+def test_rope_rotates_only_the_heads_asked_for_in_place(ops):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(4, 15, 64, generator=g)
+    positions = torch.tensor([0, 5, 130, 511])
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    angles = positions.float()[:, None] * inv[None]
+    cos, signed_sin = rope_tables(torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    rotated = qkv.clone()
+    ops.rope_(rotated, cos[:, 0], signed_sin[:, 0], 12)
+    torch.testing.assert_close(rotated[:, :12], rope(qkv[:, :12], cos, signed_sin), rtol=1e-6, atol=1e-6)
+    assert torch.equal(rotated[:, 12:], qkv[:, 12:])  # the values' heads
+
+
+def test_silu_mul_equals_silu_times_up_over_a_wide_range(ops):
+    gate_up = torch.linspace(-90, 90, 2 * 3 * 1536).view(3, 3072)
+    ref = F.silu(gate_up[:, :1536]) * gate_up[:, 1536:]
+    torch.testing.assert_close(ops.silu_mul(gate_up), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
+def test_decode_attention_equals_the_sdpa_path_on_scattered_slots(ops, monkeypatch, heads, kv_heads):
+    g = torch.Generator().manual_seed(2)
+    slots_total, d = 2048, 64
+    key_cache, value_cache = (torch.randn(slots_total, kv_heads, d, generator=g) for _ in range(2))
+    lens = torch.tensor([1, 7, 33, 300, 64])
+    context_slots = torch.randint(0, slots_total, (5, int(lens.max())), generator=g)
+    query = torch.randn(5, heads + 6, d, generator=g)[:, :heads]  # a strided view, as the fused qkv's query heads
+    batch = DecodeBatch(torch.arange(5), lens, 32, context_slots=context_slots)
+    got = ops.decode_attention(query, key_cache, value_cache, context_slots, lens, 0.125)
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)  # SDPABackend's torch route
+    ref = SDPABackend().decode(query, key_cache, value_cache, batch, 0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_rows_see_their_chunk_causally_as_the_sdpa_prefill(ops, monkeypatch):
+    """A prefill chunk of 5 tokens at positions 7..11 (7 cached keys before it) beside one decode: row_seq points
+    each row at its sequence's slots, context_lens counts the keys each row may see."""
+    g = torch.Generator().manual_seed(4)
+    key_cache, value_cache = (torch.randn(256, 3, 64, generator=g) for _ in range(2))
+    chunk_slots = torch.randperm(256, generator=g)[:12]
+    decode_slots = torch.randperm(256, generator=g)[:20]
+    query = torch.randn(6, 9, 64, generator=g)
+    table = torch.zeros(2, 20, dtype=torch.long)
+    table[0], table[1, :12] = decode_slots, chunk_slots
+    got = ops.decode_attention(query, key_cache, value_cache, table, torch.tensor([20, 8, 9, 10, 11, 12]), 0.125,
+                               torch.tensor([0, 1, 1, 1, 1, 1]))
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    backend = SDPABackend()
+    ref_chunk = backend.prefill(query[1:], key_cache[chunk_slots], value_cache[chunk_slots], 7, 0.125)
+    ref_decode = backend.decode(query[:1], key_cache, value_cache,
+                                DecodeBatch(torch.arange(1), torch.tensor([20]), 32, context_slots=table[:1]), 0.125)
+    torch.testing.assert_close(got[1:], ref_chunk, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[:1], ref_decode, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"row_seq\[2\] = 2 is outside the 2 rows of context_slots"):
+        ops.decode_attention(query[:3], key_cache, value_cache, table, torch.tensor([20, 8, 9]), 0.125,
+                             torch.tensor([0, 1, 2]))
+
+
+def test_bad_input_is_refused_by_name(ops):
+    key_cache = value_cache = torch.zeros(64, 3, 64)
+    query = torch.zeros(2, 9, 64)
+    lens = torch.tensor([3, 2])
+    with pytest.raises(RuntimeError, match=r"context_slots\[1, 1\] = 64 is outside the cache's 64 slots"):
+        ops.decode_attention(query, key_cache, value_cache, torch.tensor([[0, 1, 2], [5, 64, 0]]), lens, 1.0)
+    with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 0 is outside 1..3"):
+        ops.decode_attention(query, key_cache, value_cache, torch.zeros(2, 3, dtype=torch.long),
+                             torch.tensor([0, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.add_rms_norm(torch.zeros(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be shaped like x"):
+        ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
+
+
+PROMPTS = [{"prompt_token_ids": [(5 * i + 7 * j) % 4000 + 3 for j in range(5 + 7 * i)]} for i in range(6)]
+
+
+def greedy_with_logits(**kw):
+    """Greedy tokens and every step's logits, small budgets so prompts arrive in chunks beside decodes."""
+    llm = LLM("tiny", dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+              kv_cache_tokens=1024, max_model_len=64, **kw)
+    runner, logits = llm.llm_engine.runner, []
+    execute = runner.execute
+    runner.execute = lambda scheduled: (lambda out: logits.append(out[0]) or out)(execute(scheduled))
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs], [x for x in logits if x is not None]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(kv_cache_manager="contiguous"), dict(enable_prefix_caching=True)],
+                         ids=["paged", "contiguous", "prefix-caching"])
+def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch, kw):
+    """Three ways through the same steps (prompts in chunks beside decodes): each step as one C++ call
+    (``decode_layers``, the default), layer by layer on the C++ operators, and torch's operators alone."""
+    from tinypaged.model import fused
+
+    def counted_run(one_call: bool):
+        calls = {"decode_layers": 0, "decode_attention": 0, "add_rms_norm": 0}
+
+        class Counting:  # the real operators, counted
+            def __getattr__(self, name):
+                fn = getattr(ops, name)
+                if name not in calls:
+                    return fn
+                return lambda *a: calls.__setitem__(name, calls[name] + 1) or fn(*a)
+
+        monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
+        monkeypatch.setattr(fused, "DECODE_IN_ONE_CALL", one_call)
+        return greedy_with_logits(**kw), calls
+
+    (tokens, logits), calls = counted_run(True)
+    assert calls["decode_layers"] > 0 and calls["decode_attention"] == 0  # every step one call, chunks included
+    (layered_tokens, layered_logits), calls = counted_run(False)
+    assert calls["decode_layers"] == 0 and calls["decode_attention"] > 0 and calls["add_rms_norm"] > 0
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    ref_tokens, ref_logits = greedy_with_logits(**kw)
+    assert tokens == layered_tokens == ref_tokens
+    assert len(logits) == len(layered_logits) == len(ref_logits) > 10
+    for a, b, c in zip(ref_logits, logits, layered_logits):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-4)
+
+
+def test_a_wrapped_backend_or_projection_is_called_not_bypassed(ops, monkeypatch):
+    """The one-call decode step runs only the default backend and projections as defined: a wrapper a test, a
+    profiler or a learner puts on them is called at every layer."""
+    from tinypaged.model import fused
+
+    seen = []
+    real = fused.linear
+    monkeypatch.setattr(fused, "linear", lambda *a, **k: seen.append(1) or real(*a, **k))
+    llm = LLM("tiny", dtype="float32", device="cpu", kv_cache_tokens=256)
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4))
+    layers = len(llm.llm_engine.model.model.layers)
+    assert len(seen) == 4 * (4 * layers + 1)  # every step, the decode-only ones too: 4 products a layer + lm_head
+
+
+def test_switched_off_or_load_only_never_compiles(monkeypatch, tmp_path):
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path))
+    monkeypatch.setenv(cpu_native.ENV, "0")
+    assert cpu_native.build() is None and cpu_native._state["why"] == f"{cpu_native.ENV}=0"
+    monkeypatch.setenv(cpu_native.ENV, "load")  # the grading sandbox's setting: an empty cache stays empty
+    assert cpu_native.build() is None and "no build" in cpu_native._state["why"]
+    assert list(tmp_path.iterdir()) == [] and cpu_native.built_folder() is None
+
+
+@pytest.mark.skipif(not BUILDABLE, reason="needs Linux and a C++ compiler")
+def test_a_failed_build_leaves_nothing_and_says_why(monkeypatch, tmp_path):
+    fake = tmp_path / "bin" / "c++"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'no such header' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.delenv(cpu_native.ENV, raising=False)
+    assert cpu_native.build(quiet=True) is None
+    assert "exited 3" in cpu_native._state["why"] and "no such header" in cpu_native._state["why"]
+    left = [p.name for p in (tmp_path / "cache").iterdir()]
+    assert all(name.endswith(".lock") for name in left), left  # no half-built folder
+    shutil.rmtree(tmp_path / "cache")

@@ -1,0 +1,173 @@
+"""tinypaged's C++ CPU operators (``cpu_ops.cpp`` beside this file): built once per machine, or not used at all.
+
+What they are for: on a CPU a decode step's products stream the weights at the speed vLLM's do, but the rest of
+the step (RMSNorm, RoPE, SiLU-and-multiply, residual adds, attention) is some 1,000 small torch operators, each a
+few microseconds of dispatch. vLLM's CPU backend runs that work as compiled C++; ``ops()`` gives the fast path
+the same four operators (``torch.ops.tinypaged_cpu``):
+
+* ``add_rms_norm(x, residual, weight, eps)``: ``x += residual`` in place, then RMSNorm (vLLM's ``fused_add_rms_norm``);
+* ``rope_(qkv, cos, signed_sin, heads)``: RoPE in place on the first ``heads`` heads;
+* ``silu_mul(gate_up)``: ``silu(gate) * up`` (vLLM's ``silu_and_mul``);
+* ``decode_attention(query, key_cache, value_cache, context_slots, context_lens, scale)``: decode attention
+  reading the cache in place through each sequence's slots (vLLM's CPU paged attention does the same through block
+  tables), the keys of one KV head read once for all the query heads that share them.
+
+Course-only: the lessons never read this file, and the readable paths (``fast_path=False``, other dtypes, GPUs,
+a learner's attention backend) never call it. The build: where a C++ compiler (``$CXX``, ``c++`` or ``g++``) and
+torch's headers are found on Linux, the first process that asks compiles the file (about 20 s on 2 cores) into
+``<cache_dir>/cpu-ops-<hash>/`` (the hash covers the source, torch's version and this CPU), under a file lock so
+that concurrent processes build it once; ``python -m tinypaged prepare`` does it ahead. Anywhere else (macOS,
+Windows, no compiler, a read-only cache, a failed build, ``TINYPAGED_CPU_OPS=0``; the grading sandbox sets ``load``:
+it mounts the grader's build and never compiles) ``ops()`` is None and the torch
+code runs: same results within float32 rounding (tests/test_cpu_native.py), slower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tinypaged")
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+ENV = "TINYPAGED_CPU_OPS"  # "0": never build or load them; "load": load a build that exists, never compile
+
+_state: dict = {}  # "ops": the loaded namespace or None, "why": why not
+
+
+def cache_root() -> Path:
+    """``$TINYPAGED_CACHE`` or ``~/.cache/tinypaged`` (the model loader's cache)."""
+    return Path(os.environ.get("TINYPAGED_CACHE", Path.home() / ".cache" / "tinypaged"))
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return ""
+
+
+def folder() -> Path:
+    """Where this machine's build lives: keyed by the source, torch's version and build, and the CPU's model and
+    flags (the file is compiled for this CPU, ``-march=native``)."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+                 _cpu_id().encode(), sys.version.encode()):
+        key.update(part)
+    return cache_root() / f"cpu-ops-{key.hexdigest()[:12]}"
+
+
+def _build(target: Path, cxx: str) -> None:
+    from torch.utils.cpp_extension import include_paths
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared", "-w",
+               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+               *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", str(staging / "cpu_ops.so"),
+               f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{Path(cxx).name} exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        staging.chmod(0o755)  # mkdtemp's 0700 would keep the grading sandbox's user out
+        (staging / "cpu_ops.so").chmod(0o755)
+        os.replace(staging, target)  # one step: nobody sees a half-written folder
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def build(quiet: bool = False) -> Path | None:
+    """The built library, compiling it first if this machine has none (once, under a lock); None where it cannot be
+    built, with the reason in ``why()``."""
+    if os.environ.get(ENV, "1") == "0":
+        _state["why"] = f"{ENV}=0"
+        return None
+    if not sys.platform.startswith("linux"):
+        _state["why"] = f"not built on {sys.platform} (Linux only)"
+        return None
+    if not SOURCE.is_file():
+        _state["why"] = f"{SOURCE} is missing"
+        return None
+    target = folder()
+    lib = target / "cpu_ops.so"
+    if lib.exists():
+        return lib
+    if os.environ.get(ENV) == "load":
+        _state["why"] = f"{ENV}=load and no build in {target}"
+        return None
+    cxx = compiler()
+    if cxx is None:
+        _state["why"] = "no C++ compiler (set $CXX, or install g++)"
+        return None
+    try:
+        import fcntl
+
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.with_name(target.name + ".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not lib.exists():  # another process may have built it while this one waited
+                if not quiet:
+                    print(f"tinypaged: building the CPU operators once for this machine ({SOURCE.name}, about 20 s)",
+                          file=sys.stderr)
+                _build(target, cxx)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _state["why"] = f"the build failed: {e}"
+        log.warning("tinypaged: the CPU operators are not used (%s); the torch code runs instead", _state["why"])
+        return None
+    return lib
+
+
+def built_folder() -> Path | None:
+    """This machine's build folder if it holds a built library (nothing is compiled), else None."""
+    if not sys.platform.startswith("linux") or not SOURCE.is_file():
+        return None
+    target = folder()
+    return target if (target / "cpu_ops.so").is_file() else None
+
+
+def ops():
+    """``torch.ops.tinypaged_cpu`` once the library is loaded (building it where needed), else None."""
+    if "ops" not in _state:
+        try:
+            lib = build()
+        except OSError as e:  # a cache this process may not read (another user's, a sandbox's view of it)
+            lib, _state["why"] = None, f"the cache cannot be read: {e}"
+        ops_ = None
+        if lib is not None:
+            try:
+                torch.ops.load_library(str(lib))
+                ops_ = torch.ops.tinypaged_cpu
+            except (OSError, RuntimeError) as e:
+                _state["why"] = f"{lib} did not load: {e}"
+        _state["ops"] = ops_
+    return _state["ops"]
+
+
+def why() -> str:
+    """Why ``ops()`` is None ("" when it is not)."""
+    return _state.get("why", "") if _state.get("ops") is None else ""
+
+
+def usable(t: torch.Tensor):
+    """The operators when they apply to ``t`` (float32 on a CPU), else None."""
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        return None
+    return ops()
