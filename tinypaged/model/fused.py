@@ -237,6 +237,8 @@ class FlatForward:
         first = self.layers[0]
         lists = [[], [], [], [], [], [], []]
         for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+            if not (isinstance(o_proj, SingleLinear) and isinstance(down_proj, SingleLinear)):
+                return None
             singles = (o_proj.layer, down_proj.layer)
             if (not isinstance(qkv_proj, FusedLinear) or not isinstance(gate_up_proj, FusedLinear) or gate_up_proj.bias
                     is not None or any(s.bias is not None for s in singles) or (scale, heads, kv_heads, head_dim)
