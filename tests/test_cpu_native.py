@@ -15,6 +15,7 @@ from tinypaged import LLM, SamplingParams, cpu_native
 from tinypaged.attention.backends import DecodeBatch
 from tinypaged.attention.sdpa import SDPABackend
 from tinypaged.model.fused import rope, rope_tables
+from test_fast_path import run  # greedy tokens and every step's logits, prompts in chunks beside decodes
 
 BUILDABLE = sys.platform.startswith("linux") and cpu_native.compiler() is not None
 
@@ -115,20 +116,6 @@ def test_bad_input_is_refused_by_name(ops):
         ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
 
 
-PROMPTS = [{"prompt_token_ids": [(5 * i + 7 * j) % 4000 + 3 for j in range(5 + 7 * i)]} for i in range(6)]
-
-
-def greedy_with_logits(**kw):
-    """Greedy tokens and every step's logits, small budgets so prompts arrive in chunks beside decodes."""
-    llm = LLM("tiny", dtype="float32", device="cpu", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
-              kv_cache_tokens=1024, max_model_len=64, **kw)
-    runner, logits = llm.llm_engine.runner, []
-    execute = runner.execute
-    runner.execute = lambda scheduled: (lambda out: logits.append(out[0]) or out)(execute(scheduled))
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-    return [list(o.outputs[0].token_ids) for o in outs], [x for x in logits if x is not None]
-
-
 @pytest.mark.parametrize("kw", [dict(), dict(kv_cache_manager="contiguous"), dict(enable_prefix_caching=True)],
                          ids=["paged", "contiguous", "prefix-caching"])
 def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch, kw):
@@ -148,14 +135,14 @@ def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch
 
         monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
         monkeypatch.setattr(fused, "DECODE_IN_ONE_CALL", one_call)
-        return greedy_with_logits(**kw), calls
+        return run(True, dtype="float32", **kw)[:2], calls
 
     (tokens, logits), calls = counted_run(True)
     assert calls["decode_layers"] > 0 and calls["decode_attention"] == 0  # every step one call, chunks included
     (layered_tokens, layered_logits), calls = counted_run(False)
     assert calls["decode_layers"] == 0 and calls["decode_attention"] > 0 and calls["add_rms_norm"] > 0
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)
-    ref_tokens, ref_logits = greedy_with_logits(**kw)
+    ref_tokens, ref_logits, _ = run(True, dtype="float32", **kw)
     assert tokens == layered_tokens == ref_tokens
     assert len(logits) == len(layered_logits) == len(ref_logits) > 10
     for a, b, c in zip(ref_logits, logits, layered_logits):

@@ -257,7 +257,8 @@ class FlatForward:
         """The same loop on a float32 CPU with tinypaged's C++ operators (``tinypaged.cpu_native``): each residual
         add is fused into the RMSNorm after it and runs in place on ``x`` (the embedding lookup's own new tensor),
         RoPE runs in place on the fused qkv, SiLU-and-multiply is one call. Attention still goes through
-        ``ctx.attend`` and the step's backend."""
+        ``ctx.attend`` and the step's backend, except where the whole step runs as one C++ call
+        (``one_call_applies``)."""
         stack = self.model.model
         n = x.shape[0]
         cos, signed_sin = cos.view(n, -1), signed_sin.view(n, -1)
@@ -267,23 +268,21 @@ class FlatForward:
             slots, lens, row_seq = one_call_context(ctx, n)
             residual = ops.decode_layers(x, cos, signed_sin, *weights, ctx.keys, ctx.values, ctx.slot_mapping, slots,
                                          lens, row_seq, heads, kv_heads, norm1.eps, scale)
-            if logits_indices is not None:
-                x, residual = x[logits_indices], residual[logits_indices]
-            return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
-        residual = None  # the last product not yet added to x
-        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
-            qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads, head_dim)
-            ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
-            out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
-            h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
-            residual = down_proj(ops.silu_mul(gate_up_proj(h)))
+        else:
+            residual = None  # the last product not yet added to x
+            for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+                qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads,
+                                                                                            head_dim)
+                ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
+                out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
+                h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
+                residual = down_proj(ops.silu_mul(gate_up_proj(h)))
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
 
 
-
-DECODE_IN_ONE_CALL = True  # course-only; tinypaged.lab.step_profile turns it off to time each part from Python
+DECODE_IN_ONE_CALL = True  # course-only; False runs every step layer by layer (tests compare the two)
 
 
 def one_call_applies(ctx, rows: int) -> bool:
