@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import time
 
 import torch
@@ -63,32 +64,51 @@ def make_requests(n, scale, vocab, seed=0):
 
 
 # -- tinypaged -------------------------------------------------------------------------------------
-def run_tinypaged(model, prompts, outs, record=None, warm_up=None, **kw):
-    """One engine, timed on ``prompts``; ``warm_up`` = (prompts, outs) first runs on the same engine, untimed (as
-    vLLM's side warms its engine: the first steps of an engine pay one-off costs such as packing the weights for
-    oneDNN and first touches of the KV cache). ``metrics["num_steps"]`` counts the timed run's steps only."""
-    llm = LLM(model, device="cpu", dtype="float32", **kw)
-    engine = llm.llm_engine
-    warm_s = None
-    if warm_up is not None:
+class TinypagedRun:
+    """One tinypaged engine and its timed passes. ``warm_up`` = (prompts, outs) first runs on the same engine,
+    untimed (as vLLM's side warms its engine: the first steps of an engine pay one-off costs such as packing the
+    weights for oneDNN and first touches of the KV cache); ``timed_pass`` then runs the same requests again each time
+    it is called (no prefix caching: nothing is reused between passes)."""
+
+    def __init__(self, model, warm_up=None, **kw):
+        self.llm = LLM(model, device="cpu", dtype="float32", **kw)
+        self.warm_s = None
+        if warm_up is not None:
+            t0 = time.perf_counter()
+            self.llm.generate([{"prompt_token_ids": p} for p in warm_up[0]],
+                              [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in warm_up[1]])
+            self.warm_s = time.perf_counter() - t0
+        self.steps0 = self.llm.get_metrics()["num_steps"]
+        self.walls, self.outputs = [], None
+
+    def timed_pass(self, prompts, outs) -> float:
+        params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
         t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in warm_up[0]],
-                     [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in warm_up[1]])
-        warm_s = time.perf_counter() - t0
-    steps0 = llm.get_metrics()["num_steps"]
-    if record is not None:  # keep every prepared batch (ids, positions, attention context, logits rows)
-        prepare = engine.runner.prepare
-        engine.runner.prepare = lambda sched: record.append(prepare(sched)) or record[-1]
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in outs]
-    t0 = time.perf_counter()
-    res = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    wall = time.perf_counter() - t0
-    assert [len(r.outputs[0].token_ids) for r in res] == outs
-    lat = sum(r.metrics.e2e_latency for r in res) / len(res)
-    metrics = llm.get_metrics()
-    metrics["num_steps"] -= steps0
-    return {"wall": wall, "tokens": sum(outs), "latency": lat, "metrics": metrics, "llm": llm,
-            "outputs": res, "warm_s": warm_s}
+        res = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        self.walls.append(time.perf_counter() - t0)
+        assert [len(r.outputs[0].token_ids) for r in res] == outs
+        self.outputs = res
+        return self.walls[-1]
+
+    def result(self, outs) -> dict:
+        """``wall``: the median pass (the only one after a single pass); ``metrics["num_steps"]``: one pass's."""
+        res = self.outputs
+        metrics = self.llm.get_metrics()
+        metrics["num_steps"] = (metrics["num_steps"] - self.steps0) // len(self.walls)
+        return {"wall": statistics.median(self.walls), "walls": self.walls, "tokens": sum(outs),
+                "latency": sum(r.metrics.e2e_latency for r in res) / len(res), "metrics": metrics, "llm": self.llm,
+                "outputs": res, "warm_s": self.warm_s}
+
+
+def run_tinypaged(model, prompts, outs, record=None, warm_up=None, **kw):
+    """One engine, one timed pass on ``prompts`` after ``warm_up`` (``TinypagedRun``); ``record`` keeps every
+    prepared batch of the timed pass (ids, positions, attention context, logits rows)."""
+    run = TinypagedRun(model, warm_up, **kw)
+    if record is not None:
+        prepare = run.llm.llm_engine.runner.prepare
+        run.llm.llm_engine.runner.prepare = lambda sched: record.append(prepare(sched)) or record[-1]
+    run.timed_pass(prompts, outs)
+    return run.result(outs)
 
 
 def replay_raw(model, recorded):
@@ -239,26 +259,40 @@ def part1b(args):
     with neighbour:
         if args.neighbour:
             time.sleep(0.5)  # let it take its core before anyone looks at the load
-        # vLLM: a warm-up experiment on the same engine first (the engine compiles at start-up; the first
-        # steps of each batch shape still pay one-off costs), then the timed one
-        t0 = time.perf_counter()
-        warm, v = vllm_side.run([dict(engine=engine, requests=reqs[:B]), dict(engine=engine, requests=reqs)],
-                                cores=cores, timeout=3600)
-        v_total = time.perf_counter() - t0
+        # vLLM warms up first (the engine compiles at start-up; the first steps of each batch shape still pay
+        # one-off costs), then tinypaged warms up on its engine, and then the timed passes alternate: vLLM, tinypaged,
+        # vLLM, ... (``between`` runs while vLLM's engine waits, idle), so a drift in the machine's speed over the
+        # minutes of the run slows both alike
+        ours: dict = {}
         # tinypaged: the same cores; threads and binding as vLLM's CPU backend chooses them
-        # (tinypaged.model.cpu_threads: TINYPAGED_CPU_OMP_THREADS_BIND, default auto)
-        plan = plan_cpu_threads(bind=args.bind, allowed=range(cores))
+        # (tinypaged.model.cpu_threads: TINYPAGED_CPU_OMP_THREADS_BIND, default auto); chosen once vLLM waits
+        kw = dict(common, num_gpu_blocks_override=blocks, enforce_eager=not args.compile)
+
+        def between(n):
+            if n == 0:
+                ours["plan"] = plan = plan_cpu_threads(bind=args.bind, allowed=range(cores))
+                apply_cpu_threads(plan)
+                # warm-up on the same engine, as vLLM's (compiles or reads the cache; packs the weights)
+                ours["run"] = TinypagedRun("smollm2-135m", warm_up=(prompts[:B], outs[:B]), **kw)
+            else:
+                ours["run"].timed_pass(prompts, outs)
+
+        t0 = time.perf_counter()
         try:
-            apply_cpu_threads(plan)
-            kw = dict(common, num_gpu_blocks_override=blocks, enforce_eager=not args.compile)
-            # warm-up on the same engine, as vLLM's (compiles or reads the cache; packs the weights)
-            tp = run_tinypaged("smollm2-135m", prompts, outs, warm_up=(prompts[:B], outs[:B]), **kw)
-            t_warm = tp["warm_s"]
-            ours = [list(o.outputs[0].token_ids) for o in tp["outputs"]]
+            warm, *vs = vllm_side.run([dict(engine=engine, requests=reqs[:B])]
+                                      + [dict(engine=engine, requests=reqs)] * args.repeat, cores=cores,
+                                      timeout=3600, between=between)
         finally:
             os.sched_setaffinity(0, affinity)
             torch.set_num_threads(threads)
-    same = sum(a == b for a, b in zip(ours, v["tokens"]))
+        v_total = time.perf_counter() - t0
+        plan, tp = ours["plan"], ours["run"].result(outs)
+        t_warm = tp["warm_s"]
+        ours = [list(o.outputs[0].token_ids) for o in tp["outputs"]]
+    # each engine ran the same requests args.repeat times, the passes alternating: the median pass stands for each
+    # (the machine's speed drifts by 10-20% within minutes; every pass is printed below)
+    v = dict(vs[0], wall=statistics.median(x["wall"] for x in vs))
+    same = min(sum(a == b for a, b in zip(ours, x["tokens"])) for x in vs)
     v_lat = sum(f - a for f, a in zip(v["finished"], v["arrival"])) / len(outs)
     mode = "compiled (enforce_eager=False)" if args.compile else "eager fast path (enforce_eager=True)"
     rows = [[f"tinypaged continuous, {mode}", tokens, f"{tp['wall']:.1f}", f"{tokens / tp['wall']:.1f}",
@@ -271,10 +305,16 @@ def part1b(args):
                                                        "steps"], rows)
     print(f"\n  tinypaged / vLLM throughput: {(tokens / tp['wall']) / (tokens / v['wall']):.2f}x; greedy tokens equal "
           f"for {same}/{len(outs)} requests")
+    if args.repeat > 1:
+        ours_s = ", ".join(f"{tokens / w:.1f}" for w in tp["walls"])
+        theirs_s = ", ".join(f"{tokens / x['wall']:.1f}" for x in vs)
+        print(f"  passes (tokens/s, alternating, vLLM first): tinypaged {ours_s}; vLLM {theirs_s}; ratio of the "
+              f"best passes {min(x['wall'] for x in vs) / min(tp['walls']):.2f}x")
     print(f"  binding: vLLM VLLM_CPU_OMP_THREADS_BIND=0-{cores - 1} ({cores} OpenMP threads, none reserved); "
           f"tinypaged {plan.describe()}")
-    print(f"  warm-up, not timed: vLLM start-up (load + compile) {warm['engine_start_s']:.0f} s of {v_total:.0f} s in "
-          f"its subprocess (warm-up run {warm['wall']:.1f} s); tinypaged warm-up run {t_warm:.1f} s on the timed "
+    print(f"  warm-up, not timed: vLLM start-up (load + compile) {warm['engine_start_s']:.0f} s in its subprocess "
+          f"(warm-up run {warm['wall']:.1f} s; part 1b took {v_total:.0f} s in all); tinypaged warm-up run "
+          f"{t_warm:.1f} s on the timed "
           f"engine ({'compile or inductor cache' if args.compile else 'no compile'}, weights packed for oneDNN, "
           f"{B} requests)")
     print(f"  load average while it ran (1 min): {os.getloadavg()[0]:.2f}")
@@ -349,6 +389,7 @@ def main():
     ap.add_argument("--skip-part2", action="store_true")
     ap.add_argument("--batch", type=int, default=16, help="max_num_seqs, and the static batch size")
     ap.add_argument("--requests", type=int, default=None, help="number of requests in part 1")
+    ap.add_argument("--repeat", type=int, default=5, help="part 1b: timed passes per engine (the median counts)")
     ap.add_argument("--cores", type=int, default=2, help="part 1b: CPU cores given to each of tinypaged and vLLM")
     ap.add_argument("--skip-vllm", action="store_true", help="skip part 1b (the real vLLM)")
     ap.add_argument("--neighbour", action="store_true",

@@ -104,10 +104,19 @@ def turn2(replies):
             for c, p in enumerate(TURN1)]
 
 
+BETWEEN: list = []  # the experiment numbers vllm_side.run's ``between`` was called with
+
+
 @pytest.fixture(scope="module")
 def vllm():
     exps = experiments()
-    return dict(zip(exps, vllm_side.run(list(exps.values()))))
+    return dict(zip(exps, vllm_side.run(list(exps.values()), between=BETWEEN.append)))
+
+
+def test_between_runs_after_each_experiment_in_turn(vllm):
+    """The benchmarks alternate their timed passes with vLLM's through ``between``: called once per experiment, in
+    order, after that experiment (its results are back: the experiments all ran)."""
+    assert BETWEEN == list(range(len(vllm)))
 
 
 @functools.lru_cache(maxsize=None)

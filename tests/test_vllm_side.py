@@ -1,6 +1,9 @@
 """The course side of ``tinypaged.lab.vllm_side`` without vLLM: a bad experiment or core count is refused with a
 message naming it, before the environment is even looked for; without ``.venv-vllm`` the one-line hint comes back."""
 
+import os
+import sys
+
 import pytest
 
 from tinypaged.lab import vllm_side
@@ -48,3 +51,25 @@ def test_a_request_needs_tokens_and_a_length():
         vllm_side.request([], 4)
     with pytest.raises(ValueError, match="max_tokens"):
         vllm_side.request([1], 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a shell script stands in for vLLM's interpreter")
+def test_an_error_between_experiments_stops_the_subprocess(monkeypatch, tmp_path):
+    """``between`` fails while the vLLM side waits for it: the error comes back and no process is left behind. A
+    stand-in for vLLM's interpreter speaks the same handshake (``done-<n>``, then it waits for ``go-<n>``)."""
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/bin/sh\n# args: -P vllm_side.py job out\ndir=$(dirname \"$4\")\necho $$ > " + str(tmp_path / "pid")
+                    + "\ntouch \"$dir/done-0\"\nwhile [ ! -e \"$dir/go-0\" ]; do sleep 0.01; done\nsleep 600\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TINYPAGED_VLLM_PYTHON", str(fake))
+    seen = []
+
+    def between(n):
+        seen.append(n)
+        raise RuntimeError("the course side failed")
+
+    with pytest.raises(RuntimeError, match="the course side failed"):
+        vllm_side.run(GOOD * 2, model=tmp_path, cores=1, between=between)
+    assert seen == [0]
+    pid = int((tmp_path / "pid").read_text())
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"

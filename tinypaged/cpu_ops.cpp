@@ -22,9 +22,10 @@
 
 namespace {
 
-// exp(x) for float32, branch-free so that loops over it vectorise: x = n ln2 + f ln2 with n = round(x log2 e)
-// and |f| <= 1/2, then 2^f by its Taylor series to the 7th power (relative error below 2e-7) and 2^n in the
-// exponent bits. Inputs below -87 give about 1e-38 (not 0): callers never feed -inf.
+// exp(x) for float32, branch-free so that loops over it vectorise (given -fno-trapping-math: cpu_native.FLAGS):
+// x = n ln2 + f ln2 with n = round(x log2 e) and |f| <= 1/2, then 2^f by its Taylor series to the 7th power
+// (relative error below 2e-7) and 2^n in the exponent bits. Inputs below -87 give about 1e-38 (not 0): callers
+// never feed -inf.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.4426950408889634f;

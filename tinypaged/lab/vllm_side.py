@@ -95,8 +95,13 @@ def _cores(cores) -> int:
 
 
 def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: int | None = None,
-        timeout: float | None = None) -> list[dict]:
+        timeout: float | None = None, between=None) -> list[dict]:
     """Run ``experiments`` in one vLLM subprocess; one result dict per experiment, in order.
+
+    ``between(n)``, when given, is called in this process after vLLM's experiment ``n`` has ended and before
+    experiment ``n + 1`` starts; the subprocess waits, its engine idle, until it returns. The benchmarks use it
+    to alternate timed passes of the two engines, so that a machine whose speed drifts over minutes slows both
+    alike. An exception in it stops the subprocess and is raised here.
 
     ``cores``: CPU cores vLLM binds (default ``TINYPAGED_VLLM_CORES``, else 2). ``scripts/test.sh`` sets 1: beside
     a second test worker, two bound OpenMP threads wait on each other and an eager step takes 10-20 times longer
@@ -134,17 +139,43 @@ def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: 
     log = CACHE / f"run-{os.getpid()}.log"  # vLLM's log lines and one progress line per experiment
     with tempfile.TemporaryDirectory(prefix="tinypaged-vllm-") as tmp, open(log, "w") as log_file:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"model": str(model), "experiments": experiments}))
+        job.write_text(json.dumps({"model": str(model), "experiments": experiments,
+                                   "handshake": tmp if between is not None else None}))
+        proc = subprocess.Popen([str(py), "-P", __file__, str(job), str(out)], env=env, cwd=tmp, stdout=log_file,
+                                stderr=subprocess.STDOUT, text=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            proc = subprocess.run([str(py), "-P", __file__, str(job), str(out)], env=env, cwd=tmp, timeout=timeout,
-                                  stdout=log_file, stderr=subprocess.STDOUT, text=True)
-            code = proc.returncode
+            code = _wait(proc, Path(tmp), len(experiments), between, deadline)
         except subprocess.TimeoutExpired:
             code = f"timed out after {timeout:.0f} s"
+        finally:
+            if proc.poll() is None:  # a timeout, an error in ``between`` or Ctrl-C: no orphan
+                proc.kill()
+                proc.wait()
         if code != 0 or not out.exists():
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
             raise RuntimeError(f"the vLLM subprocess failed ({code}); the last lines of {log}:\n{tail}")
         return json.loads(out.read_text())
+
+
+def _wait(proc, tmp: Path, count: int, between, deadline) -> int:
+    """Wait for the subprocess; with ``between``, answer each ``done-<n>`` file it writes by calling
+    ``between(n)`` and then writing ``go-<n>``."""
+    if between is None:
+        return proc.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    n = 0
+    while True:
+        if deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, 0)
+        if n < count and (tmp / f"done-{n}").exists():
+            between(n)
+            (tmp / f"go-{n}").touch()
+            n += 1
+            continue
+        code = proc.poll()
+        if code is not None:
+            return code
+        time.sleep(0.005)
 
 
 # -- the vLLM side (runs in .venv-vllm; imports vllm, never tinypaged) ---------------------------------
@@ -258,6 +289,7 @@ def _experiment(engine, steps: list, exp: dict, tag: str, done: list[dict]) -> d
 def _main(job_path: str, out_path: str) -> None:
     import gc
 
+    parent = os.getppid()
     job = json.loads(Path(job_path).read_text())
     engines, results = {}, []
     steps: list = []
@@ -277,6 +309,12 @@ def _main(job_path: str, out_path: str) -> None:
         print(f"[vllm_side] experiment {n + 1}/{len(job['experiments'])}: engine start {start_s:.1f} s, "
               f"run {res['wall']:.1f} s, {res['num_steps']} steps, largest batch {res['max_batch']}, "
               f"{res['num_preemptions']} preemptions, {res['prefix_cache_hits']} prefix-hit tokens", flush=True)
+        if job.get("handshake"):  # the course side runs its own pass now; wait for it, the engine idle
+            (Path(job["handshake"]) / f"done-{n}").touch()
+            while not (Path(job["handshake"]) / f"go-{n}").exists():
+                if os.getppid() != parent:  # the course side is gone: leave no orphan
+                    raise SystemExit(1)
+                time.sleep(0.005)
     Path(out_path).write_text(json.dumps(results))
 
 
