@@ -13,9 +13,9 @@ server still answers. Bounded: a fixed number of requests, each with a time limi
 Part 2, load (SmolLM2-135M fp32, same CPU): ``vllm bench serve --backend openai`` (vLLM's client,
 from the vLLM environment, ``scripts/vllm_env.sh``) against ``python -m tinypaged serve`` and against
 vLLM's own OpenAI server, on the same random dataset (fixed input and output lengths, EOS ignored),
-at a few Poisson request rates and one max-concurrency run. Beside them, the same lengths and rates
-replayed in-process on tinypaged's engine (``tinypaged.lab.serving.replay``): the difference is what
-HTTP, tokenization and streaming cost. Then a smaller run through the official ``openai`` client (streaming
+at a few Poisson request rates and one max-concurrency run. Beside them, the requests of tinypaged's rate runs
+replayed in-process on tinypaged's engine (``tinypaged.lab.serving.replay``: the same lengths, arriving when the
+client sent them): the difference is what HTTP, tokenization and streaming cost. Then a smaller run through the official ``openai`` client (streaming
 completions, 16 prompts, 4 at a time) against each server. Both servers get the same 2 cores. Each setting draws its own prompts
 (the client's ``--seed`` is the setting's number): vLLM v1 caches prefixes by default, and with the same seed
 every setting after the first re-sent the prompts it had already cached (at rate 4, vLLM's TTFT 286 ms cold
@@ -120,7 +120,8 @@ from vllm.benchmarks.serve import add_cli_args, main
 p = argparse.ArgumentParser(); add_cli_args(p)
 args = p.parse_args(sys.argv[2:])
 res = main(args)
-keep = {k: v for k, v in res.items() if isinstance(v, (int, float, str))}
+lists = ("start_times", "input_lens", "output_lens")  # per request (--save-detailed): when it was sent, its lengths
+keep = {k: v for k, v in res.items() if isinstance(v, (int, float, str)) or k in lists}
 open(sys.argv[1], "w").write(json.dumps(keep))
 """
 
@@ -165,7 +166,7 @@ def bench_runs(vpy: str, url: str, folder: str, args, out_dir: Path, label: str)
                "/v1/completions", "--model", "smollm2-135m", "--tokenizer", folder, "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--num-prompts", str(args.num_prompts), "--ignore-eos", "--seed", str(number), "--disable-tqdm",
-               "--percentile-metrics", "ttft,tpot,itl,e2el"]
+               "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-detailed"]
         cmd += ["--request-rate", str(value)] if kind == "rate" else ["--request-rate", "inf",
                                                                       "--max-concurrency", str(value)]
         env = {**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1"}
@@ -234,20 +235,33 @@ def openai_client_run(url: str, label: str, args, seed: int = 100) -> dict:
     return res
 
 
-def in_process(args) -> list[dict]:
-    """The same lengths and rates replayed on tinypaged's engine in this process (no HTTP)."""
+def in_process(args, http_rows: list[dict]) -> list[dict]:
+    """The requests of each of tinypaged's rate runs replayed on tinypaged's engine in this process (no HTTP): the
+    same prompt and output lengths, arriving at the times the client sent them (its ``start_times``), so the
+    difference is what HTTP, tokenization and streaming cost. Without those times (an older client), the same
+    lengths at fresh Poisson arrivals of the same rate."""
     from tinypaged.lab.serving import replay, with_rate
     from tinypaged.lab.workloads import TraceRequest
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=args.input_len + args.output_len + 64,
               max_num_seqs=256, history_size=0)
-    base = [TraceRequest(i, args.input_len, args.output_len) for i in range(args.num_prompts)]
+    sent = {r["setting"]: r for r in http_rows if r["engine"] == "tinypaged"}
     rows = []
     for rate in args.rates:
-        s = replay(llm, with_rate(base, rate, seed=0), "tinypaged", rate).summary()
+        http = sent.get(f"rate {rate}", {})
+        if http.get("start_times") and len(http.get("input_lens", [])) == len(http["start_times"]):
+            t0 = min(http["start_times"])
+            trace = [TraceRequest(i, n_in, n_out, t - t0) for i, (t, n_in, n_out)
+                     in enumerate(zip(http["start_times"], http["input_lens"], http["output_lens"]))]
+            how = "the client's arrivals"
+        else:
+            trace = with_rate([TraceRequest(i, args.input_len, args.output_len) for i in range(args.num_prompts)],
+                              rate, seed=0)
+            how = "fresh Poisson arrivals"
+        s = replay(llm, trace, "tinypaged", rate).summary()
         rows.append({"engine": "in-process", "setting": f"rate {rate}", "output_throughput": s["throughput"],
                      "mean_ttft_ms": 1e3 * s["ttft"], "mean_tpot_ms": 1e3 * s["tpot"], "mean_itl_ms": 1e3 * s["tpot"],
-                     "mean_e2el_ms": 1e3 * s["e2e"], "completed": s["requests"]})
+                     "mean_e2el_ms": 1e3 * s["e2e"], "completed": s["requests"], "arrivals": how})
     return rows
 
 
@@ -291,7 +305,7 @@ def load(args) -> None:
         print(f"vLLM's server: {exc} (log: {out_dir / 'vllm-serve.log'})")
     finally:
         stop(theirs)
-    rows += in_process(args)
+    rows += in_process(args, rows)
     print_table(rows, args)
     print_goals(rows)
 
@@ -302,7 +316,8 @@ def print_table(rows: list[dict], args) -> None:
     head = ["engine", "setting", "req/s", "output tok/s", "TTFT ms", "TPOT ms", "ITL ms", "E2EL ms"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        cells = [r["engine"], r["setting"], f"{r.get('request_throughput', float('nan')):.2f}",
+        setting = r["setting"] + (f" ({r['arrivals']})" if "arrivals" in r else "")
+        cells = [r["engine"], setting, f"{r.get('request_throughput', float('nan')):.2f}",
                  f"{r.get('output_throughput', float('nan')):.1f}", f"{r.get('mean_ttft_ms', float('nan')):.0f}",
                  f"{r.get('mean_tpot_ms', float('nan')):.1f}", f"{r.get('mean_itl_ms', float('nan')):.1f}",
                  f"{r.get('mean_e2el_ms', float('nan')):.0f}"]
