@@ -15,12 +15,12 @@ from the vLLM environment, ``scripts/vllm_env.sh``) against ``python -m tinypage
 vLLM's own OpenAI server, on the same random dataset (fixed input and output lengths, EOS ignored),
 at a few Poisson request rates and one max-concurrency run. Beside them, the requests of tinypaged's rate runs
 replayed in-process on tinypaged's engine (``tinypaged.lab.serving.replay``: the same lengths, arriving when the
-client sent them): the difference is what HTTP, tokenization and streaming cost. Then a smaller run through the official ``openai`` client (streaming
-completions, 16 prompts, 4 at a time) against each server. Both servers get the same 2 cores. Each setting draws its own prompts
-(the client's ``--seed`` is the setting's number): vLLM v1 caches prefixes by default, and with the same seed
-every setting after the first re-sent the prompts it had already cached (at rate 4, vLLM's TTFT 286 ms cold
-against 185 ms on a repeat, 2026-12-03), while tinypaged's server, whose prefix caching is off by default, got
-no such hits.
+client sent them): the difference is what HTTP, tokenization and streaming cost. Then a smaller run through the
+official ``openai`` client (streaming completions, 16 prompts, 4 at a time) against each server. Both servers get
+the same 2 cores. Each setting draws its own prompts (the client's ``--seed`` is the setting's number): vLLM v1
+caches prefixes by default, and with the same seed every setting after the first re-sent the prompts it had
+already cached (at rate 4, vLLM's TTFT 286 ms cold against 185 ms on a repeat, 2026-12-03), while tinypaged's
+server, whose prefix caching is off by default, got no such hits.
 """
 
 from __future__ import annotations
@@ -237,10 +237,9 @@ def openai_client_run(url: str, label: str, args, seed: int = 100) -> dict:
 
 def in_process(args, http_rows: list[dict]) -> list[dict]:
     """The requests of each of tinypaged's rate runs replayed on tinypaged's engine in this process (no HTTP): the
-    same prompt and output lengths, arriving at the times the client sent them (its ``start_times``), so the
-    difference is what HTTP, tokenization and streaming cost. Without those times (an older client), the same
-    lengths at fresh Poisson arrivals of the same rate."""
-    from tinypaged.lab.serving import replay, with_rate
+    same prompt and output lengths, arriving at the times the client sent them (its ``start_times``, which
+    ``--save-detailed`` keeps), so the difference is what HTTP, tokenization and streaming cost."""
+    from tinypaged.lab.serving import replay
     from tinypaged.lab.workloads import TraceRequest
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", max_model_len=args.input_len + args.output_len + 64,
@@ -248,20 +247,14 @@ def in_process(args, http_rows: list[dict]) -> list[dict]:
     sent = {r["setting"]: r for r in http_rows if r["engine"] == "tinypaged"}
     rows = []
     for rate in args.rates:
-        http = sent.get(f"rate {rate}", {})
-        if http.get("start_times") and len(http.get("input_lens", [])) == len(http["start_times"]):
-            t0 = min(http["start_times"])
-            trace = [TraceRequest(i, n_in, n_out, t - t0) for i, (t, n_in, n_out)
-                     in enumerate(zip(http["start_times"], http["input_lens"], http["output_lens"]))]
-            how = "the client's arrivals"
-        else:
-            trace = with_rate([TraceRequest(i, args.input_len, args.output_len) for i in range(args.num_prompts)],
-                              rate, seed=0)
-            how = "fresh Poisson arrivals"
+        http = sent[f"rate {rate}"]
+        t0 = min(http["start_times"])
+        trace = [TraceRequest(i, n_in, n_out, t - t0) for i, (t, n_in, n_out)
+                 in enumerate(zip(http["start_times"], http["input_lens"], http["output_lens"]))]
         s = replay(llm, trace, "tinypaged", rate).summary()
         rows.append({"engine": "in-process", "setting": f"rate {rate}", "output_throughput": s["throughput"],
                      "mean_ttft_ms": 1e3 * s["ttft"], "mean_tpot_ms": 1e3 * s["tpot"], "mean_itl_ms": 1e3 * s["tpot"],
-                     "mean_e2el_ms": 1e3 * s["e2e"], "completed": s["requests"], "arrivals": how})
+                     "mean_e2el_ms": 1e3 * s["e2e"], "completed": s["requests"], "arrivals": "the client's arrivals"})
     return rows
 
 

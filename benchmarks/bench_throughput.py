@@ -263,19 +263,19 @@ def part1b(args):
         # one-off costs), then tinypaged warms up on its engine, and then the timed passes alternate: vLLM, tinypaged,
         # vLLM, ... (``between`` runs while vLLM's engine waits, idle), so a drift in the machine's speed over the
         # minutes of the run slows both alike
-        ours: dict = {}
+        state: dict = {}
         # tinypaged: the same cores; threads and binding as vLLM's CPU backend chooses them
         # (tinypaged.model.cpu_threads: TINYPAGED_CPU_OMP_THREADS_BIND, default auto); chosen once vLLM waits
         kw = dict(common, num_gpu_blocks_override=blocks, enforce_eager=not args.compile)
 
         def between(n):
             if n == 0:
-                ours["plan"] = plan = plan_cpu_threads(bind=args.bind, allowed=range(cores))
+                state["plan"] = plan = plan_cpu_threads(bind=args.bind, allowed=range(cores))
                 apply_cpu_threads(plan)
                 # warm-up on the same engine, as vLLM's (compiles or reads the cache; packs the weights)
-                ours["run"] = TinypagedRun("smollm2-135m", warm_up=(prompts[:B], outs[:B]), **kw)
+                state["run"] = TinypagedRun("smollm2-135m", warm_up=(prompts[:B], outs[:B]), **kw)
             else:
-                ours["run"].timed_pass(prompts, outs)
+                state["run"].timed_pass(prompts, outs)
 
         t0 = time.perf_counter()
         try:
@@ -286,7 +286,7 @@ def part1b(args):
             os.sched_setaffinity(0, affinity)
             torch.set_num_threads(threads)
         v_total = time.perf_counter() - t0
-        plan, tp = ours["plan"], ours["run"].result(outs)
+        plan, tp = state["plan"], state["run"].result(outs)
         t_warm = tp["warm_s"]
         ours = [list(o.outputs[0].token_ids) for o in tp["outputs"]]
     # each engine ran the same requests args.repeat times, the passes alternating: the median pass stands for each

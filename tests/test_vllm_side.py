@@ -58,8 +58,9 @@ def test_an_error_between_experiments_stops_the_subprocess(monkeypatch, tmp_path
     """``between`` fails while the vLLM side waits for it: the error comes back and no process is left behind. A
     stand-in for vLLM's interpreter speaks the same handshake (``done-<n>``, then it waits for ``go-<n>``)."""
     fake = tmp_path / "fake-python"
-    fake.write_text("#!/bin/sh\n# args: -P vllm_side.py job out\ndir=$(dirname \"$4\")\necho $$ > " + str(tmp_path / "pid")
-                    + "\ntouch \"$dir/done-0\"\nwhile [ ! -e \"$dir/go-0\" ]; do sleep 0.01; done\nsleep 600\n")
+    fake.write_text("#!/bin/sh\n# args: -P vllm_side.py job out\ndir=$(dirname \"$4\")\n"
+                    f"echo $$ > {tmp_path / 'pid'}\n"
+                    "touch \"$dir/done-0\"\nwhile [ ! -e \"$dir/go-0\" ]; do sleep 0.01; done\nsleep 600\n")
     fake.chmod(0o755)
     monkeypatch.setenv("TINYPAGED_VLLM_PYTHON", str(fake))
     seen = []

@@ -73,8 +73,8 @@ def folder() -> Path:
     """Where this machine's build lives: keyed by the source, the compiler flags, torch's version and build, and
     the CPU's model and flags (the file is compiled for this CPU, ``-march=native``)."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
-                 _cpu_id().encode(), sys.version.encode()):
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), torch.__version__.encode(),
+                 str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), _cpu_id().encode(), sys.version.encode()):
         key.update(part)
     return cache_root() / f"cpu-ops-{key.hexdigest()[:12]}"
 

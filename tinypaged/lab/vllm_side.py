@@ -139,8 +139,7 @@ def run(experiments: list[dict], model: str | os.PathLike | None = None, cores: 
     log = CACHE / f"run-{os.getpid()}.log"  # vLLM's log lines and one progress line per experiment
     with tempfile.TemporaryDirectory(prefix="tinypaged-vllm-") as tmp, open(log, "w") as log_file:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
-        job.write_text(json.dumps({"model": str(model), "experiments": experiments,
-                                   "handshake": tmp if between is not None else None}))
+        job.write_text(json.dumps({"model": str(model), "experiments": experiments, "handshake": between is not None}))
         proc = subprocess.Popen([str(py), "-P", __file__, str(job), str(out)], env=env, cwd=tmp, stdout=log_file,
                                 stderr=subprocess.STDOUT, text=True)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -310,8 +309,8 @@ def _main(job_path: str, out_path: str) -> None:
               f"run {res['wall']:.1f} s, {res['num_steps']} steps, largest batch {res['max_batch']}, "
               f"{res['num_preemptions']} preemptions, {res['prefix_cache_hits']} prefix-hit tokens", flush=True)
         if job.get("handshake"):  # the course side runs its own pass now; wait for it, the engine idle
-            (Path(job["handshake"]) / f"done-{n}").touch()
-            while not (Path(job["handshake"]) / f"go-{n}").exists():
+            (Path(job_path).parent / f"done-{n}").touch()
+            while not (Path(job_path).parent / f"go-{n}").exists():
                 if os.getppid() != parent:  # the course side is gone: leave no orphan
                     raise SystemExit(1)
                 time.sleep(0.005)
