@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 SAMPLING_EPS = 1e-5
 # torch.Generator.manual_seed takes seeds in this range (a seed outside it raises an overflow error).
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+# The largest count or token id a request may carry: a signed 64-bit integer (what torch's int64 tensors and the
+# engine core's MessagePack messages hold; a larger Python int would overflow deep inside, after work began).
+INT_MAX = 2**63 - 1
+# float32's smallest positive value (a subnormal): a top_p below it rounds to 0 in the sampler's float32
+# probabilities, so it is refused as outside (0, 1] (vLLM requires 0 < top_p <= 1).
+FLOAT32_TINIEST = 2.0**-149
 
 
 def is_int(x) -> bool:
@@ -28,7 +34,9 @@ class SamplingParams:
     """Per-request decoding settings.
 
     temperature 0 means greedy; so does any temperature below ``SAMPLING_EPS`` (1e-5), as in vLLM.
-    ``top_k`` of -1 (or 0) and ``top_p`` of 1.0 switch those filters off.
+    ``top_k`` of -1 (or 0), ``top_p`` of 1.0 and ``min_p`` of 0 switch those filters off; ``min_p`` keeps the tokens
+    whose probability is at least ``min_p`` times the likeliest one's (vLLM's, applied after the temperature and
+    before top-k and top-p); ``allowed_token_ids`` restricts every pick to those ids (greedy too), as vLLM's.
     ``stop`` strings end generation and are cut from the text; ``stop_token_ids`` and the model's
     end-of-sequence token end it too (unless ``ignore_eos``). ``n`` samples share the prompt's KV
     blocks (``parallel_sampling="fork"``, the paper's copy-on-write) or run as n requests that share
@@ -49,6 +57,11 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None
+    # vLLM's ``bad_words`` as token ids (the server tokenizes each word, with and without a leading space, as
+    # vLLM's ``update_from_tokenizer``): the last id of a sequence is banned whenever the output ends with the rest
+    bad_words_token_ids: list[list[int]] | None = None
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -61,11 +74,25 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple, set)):
             problems.append(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
             self.stop_token_ids = None
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (list, tuple, set)):
+            problems.append(f"allowed_token_ids must be a list of integers, got "
+                            f"{type(self.allowed_token_ids).__name__}")
+            self.allowed_token_ids = None
+        elif self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._verify(problems)
 
     def _verify(self, problems: list[str]) -> None:
+        big = [f"{name} must be at most 2**63 - 1 (a 64-bit integer), got {getattr(self, name)}"
+               for name in ("n", "top_k", "max_tokens", "min_tokens")
+               if is_int(getattr(self, name)) and getattr(self, name) > INT_MAX]
+        if any(is_int(t) and t > INT_MAX for t in self.stop_token_ids):
+            big.append("stop_token_ids must hold token ids at most 2**63 - 1 (64-bit integers), got "
+                       f"{[t for t in self.stop_token_ids if is_int(t) and t > INT_MAX][:3]}")
+        if big:  # named first: the checks below would compare or add such numbers
+            raise ValueError("Invalid SamplingParams: " + "; ".join(big + problems))
         if not is_int(self.n) or self.n < 1:
             problems.append(f"n must be an integer >= 1, got {self.n!r}")
         if not is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -73,6 +100,11 @@ class SamplingParams:
                             f"got {self.temperature!r}")
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             problems.append(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        elif self.top_p < FLOAT32_TINIEST:
+            problems.append(f"top_p must be a number in (0, 1] that float32 can hold (at least 2**-149, about "
+                            f"1.4e-45; it rounds to 0 below), got {self.top_p!r}")
+        if not is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            problems.append(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not is_int(self.top_k) or self.top_k < -1:
             problems.append(f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and (not is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
@@ -93,6 +125,18 @@ class SamplingParams:
             problems.append(f"stop_token_ids must hold integers, got {self.stop_token_ids!r}")
         elif any(t < 0 for t in self.stop_token_ids):
             problems.append(f"stop_token_ids must hold token ids >= 0, got {self.stop_token_ids!r}")
+        if self.bad_words_token_ids is not None and (
+                not isinstance(self.bad_words_token_ids, (list, tuple))
+                or any(not isinstance(w, (list, tuple)) or not w or any(not is_int(t) or not 0 <= t <= INT_MAX
+                                                                          for t in w)
+                       for w in self.bad_words_token_ids)):
+            problems.append("bad_words_token_ids must be a list of non-empty lists of token ids")
+        if self.allowed_token_ids is not None:  # vLLM's rule: a non-empty list of ids (the vocabulary: the engine's)
+            if not self.allowed_token_ids:
+                problems.append("allowed_token_ids must not be empty (null allows every token)")
+            elif any(not is_int(t) or not 0 <= t <= INT_MAX for t in self.allowed_token_ids):
+                problems.append(f"allowed_token_ids must hold token ids in [0, 2**63 - 1], got "
+                                f"{self.allowed_token_ids[:5]!r}")
         if not isinstance(self.ignore_eos, bool):
             problems.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if problems:

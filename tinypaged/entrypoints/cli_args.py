@@ -104,6 +104,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "process (default: TINYPAGED_ENABLE_MULTIPROCESSING, on unless set to 0)")
     ap.add_argument("--no-access-log", dest="access_log", action="store_false",
                     help="no line per request (as uvicorn's --no-access-log)")
+    ap.add_argument("--timeout-keep-alive", type=int_at_least(1), default=5,
+                    help="close an idle kept-alive HTTP connection after this many seconds (vLLM's flag, uvicorn's "
+                         "default 5); a request's head must arrive within 10 s and its body within 30 s")
     ap.add_argument("--kv-events-config", default=None, type=kv_events_config, metavar="JSON",
                     help="publish KV cache events as vLLM does (stage 9), e.g. '{\"enable_kv_cache_events\": true, "
                          "\"endpoint\": \"tcp://127.0.0.1:5557\"}' (entrypoints/kv_events.py)")

@@ -49,6 +49,49 @@ from tinypaged.sequence import FinishReason
 logger = logging.getLogger("tinypaged")
 
 
+SOCKET_DIR_PREFIX = "tinypaged-core-"  # + the server's pid + "-" + random: the ipc sockets' private folder
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_socket_dirs(root: str | None = None) -> list[str]:
+    """Remove the socket folders (``tinypaged-core-<pid>-*`` in the temporary folder) of servers that were killed
+    outright (SIGKILL leaves them): only this user's, and only those whose owner pid is dead. Returns them."""
+    import re
+    import shutil
+
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = re.fullmatch(re.escape(SOCKET_DIR_PREFIX) + r"(\d+)-[\w]+", name)
+        if m is None or int(m.group(1)) == os.getpid():
+            continue
+        path = os.path.join(root, name)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        import stat
+
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _pid_alive(int(m.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class SampleText:
     """One sample's text on the server's side: what ``Detokenizer`` reads and writes of a ``Sequence``."""
 
@@ -75,7 +118,7 @@ class CoreClient:
         self.args, self.model, self.max_queued = args, args["model"], max_queued
         self.observer, self.on_death, self.startup_timeout = observer, on_death, startup_timeout
         self.proc: subprocess.Popen | None = None
-        self.max_model_len = self.max_num_seqs = 0
+        self.max_model_len = self.max_num_seqs = self.vocab_size = 0
         self.dead: str | None = None  # why the core process ended, once it has
         self._live: dict[str, Submission] = {}
         self._lock = threading.Lock()  # guards _live, _count, _pending and the input socket
@@ -108,7 +151,9 @@ class CoreClient:
             in_addr = f"tcp://127.0.0.1:{self._in.bind_to_random_port('tcp://127.0.0.1')}"
             out_addr = f"tcp://127.0.0.1:{self._out.bind_to_random_port('tcp://127.0.0.1')}"
         else:
-            self._dir = tempfile.TemporaryDirectory(prefix="tinypaged-core-")  # mode 0700: ours alone
+            remove_stale_socket_dirs()
+            # mode 0700: ours alone; the name holds this process's id, so a later server can tell a dead one's
+            self._dir = tempfile.TemporaryDirectory(prefix=f"{SOCKET_DIR_PREFIX}{os.getpid()}-")
             in_addr, out_addr = f"ipc://{self._dir.name}/in", f"ipc://{self._dir.name}/out"
             self._in.bind(in_addr)
             self._out.bind(out_addr)
@@ -139,6 +184,7 @@ class CoreClient:
                 raise ValueError(first.message)  # the knob's own message (serve prints it, exits 2)
             raise RuntimeError(f"the engine core failed to start: {first.kind}: {first.message}")
         self.max_model_len, self.max_num_seqs = first.max_model_len, first.max_num_seqs
+        self.vocab_size = first.vocab_size
         self.tokenizer  # noqa: B018 - detokenization is this process's: loaded before the first request
         self._reader = threading.Thread(target=self._read, name="tinypaged-core-client", daemon=True)
         self._reader.start()
@@ -177,6 +223,14 @@ class CoreClient:
         self._check_open()
         sub = Submission(request_id, deliver, 0, params.n)
         fut: Future = Future()
+        # encoded before anything is booked: a value the message cannot carry (an integer beyond 64 bits) is a
+        # ValueError here, and no slot is taken
+        try:
+            data = self._encoder.encode(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
+                                                msg.params_message(params)))
+        except OverflowError as exc:
+            raise ValueError(f"Request {request_id}: a number in the request does not fit in 64 bits ({exc})") \
+                from None
         with self._lock:
             if self._count >= self.max_num_seqs + self.max_queued:
                 raise Overloaded(f"{self._count} requests are in flight; the queue bound is max_num_seqs "
@@ -187,8 +241,14 @@ class CoreClient:
             self._live[request_id] = sub
             self._texts[request_id] = (params, {})
             self._pending[request_id] = fut
-            self._send(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
-                               msg.params_message(params)))
+            try:
+                self._in.send(data, copy=False)
+            except BaseException:  # nothing was sent: unbook, so no failure can leak a slot
+                self._count -= 1
+                self._live.pop(request_id, None)
+                self._texts.pop(request_id, None)
+                self._pending.pop(request_id, None)
+                raise
         verdict = fut.result()
         if isinstance(verdict, msg.Rejected):
             raise {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(

@@ -17,7 +17,7 @@ socket keep their order, so an ``Abort`` sent before a ``GetMetrics`` is done be
 
 The core watches its parent: when the server process is gone (its parent pid changes) it exits, so a
 crashed server leaves no engine behind; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
-group), since the server drains first and then sends ``Shutdown``.
+group) and SIGTERM, since the server drains first and then sends ``Shutdown``.
 
 Run as ``python -m tinypaged.entrypoints.engine_core CONFIG_JSON`` by ``CoreClient``; not by hand.
 """
@@ -53,6 +53,9 @@ class Params(msgspec.Struct):
     min_tokens: int
     stop_token_ids: list[int] | None
     ignore_eos: bool
+    min_p: float = 0.0
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
 
 class Add(msgspec.Struct, tag=True):
@@ -88,6 +91,7 @@ class Ready(msgspec.Struct, tag=True):
     pid: int
     max_model_len: int
     max_num_seqs: int
+    vocab_size: int = 0  # the server checks prompt token ids against it (0: unknown, the engine checks alone)
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -152,7 +156,8 @@ FromCore = Union[Ready, StartupFailed, Added, Rejected, Outputs, MetricsReply]
 def params_message(params) -> Params:
     """``params`` as the core takes them: without the stop strings (the server searches them)."""
     return Params(params.n, params.temperature, params.top_p, params.top_k, params.seed, params.max_tokens,
-                  params.min_tokens, list(params.stop_token_ids) or None, params.ignore_eos)
+                  params.min_tokens, list(params.stop_token_ids) or None, params.ignore_eos, params.min_p,
+                  params.allowed_token_ids, params.bad_words_token_ids)
 
 
 # -- the core process ------------------------------------------------------------------------------------
@@ -345,7 +350,10 @@ def _has_cuda() -> bool:
 def main(config_json: str) -> int:
     import zmq
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains on Ctrl-C, then sends Shutdown
+    # the server drains on Ctrl-C or SIGTERM (a terminal's or a supervisor's, sent to the whole process group),
+    # then sends Shutdown; the core ends with it (or with its parent: _die_with_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     cfg = json.loads(config_json)
     _die_with_parent(cfg["parent_pid"])
     ctx = zmq.Context()
@@ -381,7 +389,8 @@ def main(config_json: str) -> int:
 
         warm_up(engine.model, engine.config.max_num_seqs)
     core = EngineCoreProc(engine, inbox, outbox, cfg["parent_pid"])
-    core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs))
+    core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs,
+                    engine.input_processor.vocab_size))
     try:
         core.run_busy_loop()
     finally:

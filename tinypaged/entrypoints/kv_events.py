@@ -102,6 +102,8 @@ def decode(payload: bytes) -> KVEventBatch:
 
 
 # -- the config (vLLM's KVEventsConfig) ------------------------------------------------------------------------
+COUNT_MAX = 2**31 - 1  # the counts' bound: ZeroMQ takes hwm as a C int (a larger one overflows there)
+
 @dataclasses.dataclass
 class KVEventsConfig:
     enable_kv_cache_events: bool = False
@@ -153,6 +155,8 @@ def parse_config(text: str) -> KVEventsConfig:
         if name in ("buffer_steps", "hwm", "max_queue_size") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{FLAG}: {name} must be an integer >= 1, got {json.dumps(value)}")
+        if name in ("buffer_steps", "hwm", "max_queue_size") and value > COUNT_MAX:  # ZeroMQ's hwm is a C int
+            raise ValueError(f"{FLAG}: {name} must be an integer in 1..{COUNT_MAX} (2**31 - 1), got {value}")
         if name == "topic" and not isinstance(value, str):
             raise ValueError(f"{FLAG}: topic must be a string, got {json.dumps(value)}")
         if name == "endpoint" or (name == "replay_endpoint" and value is not None):

@@ -18,32 +18,45 @@ FastAPI routes on uvicorn's event loop. The engine runs in one of two ways (``Se
 * a bad body or parameter is a 400 in OpenAI's error shape naming the field; a request that can
   never fit is a 400; past the queue bound the answer is 503; an engine failure is a 500; unknown
   routes (404), wrong methods (405) and bodies that are not UTF-8 JSON objects get the same shape;
-* a field tinypaged does not implement (``logprobs``, ``echo``, ``best_of``, penalties, ...) is a 400
-  naming it when it asks for something, never silently ignored;
-* size bounds, checked before any tokenizing (which runs on the engine's thread and would stall every
-  stream): a text prompt longer than ``max_prompt_chars`` characters cannot fit and is a 400. That
-  bound is 2 x (the longest vocabulary entry, in characters) x ``max_model_len``: no token covers more
-  text than its vocabulary entry, and the factor 2 leaves room for tokenizers that normalize text. A
-  body longer than ``max_body_bytes`` is a 413 before it is parsed: 12 bytes (the longest JSON escape of
-  one character) per allowed prompt character, for as many prompts as the server can hold at once
-  (``max_num_seqs + max_queued``), plus 1 MiB for the other fields.
+* a field tinypaged does not implement (``logprobs``, ``echo``, ``best_of``, penalties, vLLM's ``guided_*``,
+  ``structured_outputs``, ``use_beam_search``, ``priority``, ``skip_special_tokens``, chat's ``chat_template``, ...: the
+  ``UNIMPLEMENTED`` tables) is a 400 naming it when it asks for something, never silently ignored;
+* a number no request can carry (an integer beyond 64 bits) is a 400 naming its field, and no failure of a call
+  leaves a request of it booked (every path out of ``_serve`` aborts what it submitted);
+* a call holds at most ``max_num_seqs + max_queued`` prompts (more would be a 503 midway: a 400 naming the bound);
+  a client that leaves is noticed within ``DISCONNECT_CHECK_S`` while its prompts are submitted and while its
+  answer is collected, however busy its events are;
+* slow clients: a request's head must arrive within ``HEADER_TIMEOUT_S`` (else the connection is closed), its
+  body within ``BODY_TIMEOUT_S`` (else a 408); idle kept-alive connections close after ``--timeout-keep-alive``
+  seconds (uvicorn's and vLLM's 5);
+* size bounds, checked before any tokenizing (which runs off the event loop: on the engine's thread, or a worker
+  thread for chat templates and large bodies): a text prompt longer than ``max_prompt_chars`` characters cannot
+  fit and is a 400. That bound is 2 x (the longest vocabulary entry, in characters) x ``max_model_len``: no
+  token covers more text than its vocabulary entry, and the factor 2 leaves room for tokenizers that normalize
+  text. A body longer than ``max_body_bytes`` is a 413 before it is parsed: 12 bytes (the longest JSON escape
+  of one character) per allowed prompt character, for as many prompts as the server can hold at once
+  (``max_num_seqs + max_queued``), plus 1 MiB for the other fields. A chat of more than ``max_model_len``
+  messages is a 400 as well (each message costs at least one token of the chat template).
 
 Besides OpenAI's fields the request bodies take vLLM's extensions that map onto ``SamplingParams``:
-``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, and ``return_token_ids`` (each choice
-then carries its ``token_ids``, as vLLM does; handy for a model without a tokenizer).
+``top_k``, ``min_p``, ``allowed_token_ids``, ``bad_words``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+and ``return_token_ids`` (each choice
+then carries its ``token_ids``, as vLLM does; handy for a model without a tokenizer); chat takes vLLM's
+``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the template).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
 import re
 import sys
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -75,6 +88,7 @@ Float = Annotated[float, BeforeValidator(_no_bool)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: Any = None  # vLLM's: usage in every chunk; not implemented (refused when true)
 
 
 # Fields of OpenAI's (and vLLM's) requests that tinypaged does not implement: each is accepted only with a
@@ -93,6 +107,28 @@ UNIMPLEMENTED = {
     "logit_bias": lambda v, n: v is None or v == {},
     "response_format": lambda v, n: v is None or v == {"type": "text"},
     "tools": lambda v, n: v is None or v == [],
+    # vLLM's extensions that tinypaged does not implement
+    "guided_json": lambda v, n: v is None,
+    "guided_regex": lambda v, n: v is None,
+    "guided_choice": lambda v, n: v is None,
+    "guided_grammar": lambda v, n: v is None,
+    "structured_outputs": lambda v, n: v is None,
+    "use_beam_search": lambda v, n: v is None or v is False,
+    "length_penalty": lambda v, n: v is None or v == 1,
+    "spaces_between_special_tokens": lambda v, n: v is None or v is True,
+    "logits_processors": lambda v, n: v is None or v == [],
+    "prompt_embeds": lambda v, n: v is None,
+    "kv_transfer_params": lambda v, n: v is None,
+    "truncate_prompt_tokens": lambda v, n: v is None,
+    "include_stop_str_in_output": lambda v, n: v is None or v is False,
+    "skip_special_tokens": lambda v, n: v is None or v is True,
+    "priority": lambda v, n: v is None or v == 0,
+}
+# the chat route's own (vLLM's chat extensions); add_generation_prompt, continue_final_message and
+# chat_template_kwargs are implemented (``Server.chat_prompt``)
+CHAT_UNIMPLEMENTED = {
+    "chat_template": lambda v, n: v is None,
+    "documents": lambda v, n: v is None or v == [],
 }
 
 
@@ -105,6 +141,9 @@ class _Sampling(BaseModel):
     temperature: Float = 1.0
     top_p: Float = 1.0
     top_k: Int = -1
+    min_p: Float = 0.0
+    allowed_token_ids: list[Int] | None = None
+    bad_words: list[str] | None = None  # tokenized by the server (``Server.with_bad_words``), as vLLM's front end
     n: Int = 1
     seed: Int | None = None
     stop: str | list[str] | None = None
@@ -127,18 +166,41 @@ class _Sampling(BaseModel):
     logit_bias: Any = None
     response_format: Any = None
     tools: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
+    truncate_prompt_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    priority: Any = None
+
+    _unimplemented: ClassVar[dict] = UNIMPLEMENTED
 
     def refuse_unimplemented(self) -> None:
-        for name, off in UNIMPLEMENTED.items():
+        for name, off in self._unimplemented.items():
             value = getattr(self, name)
             if not off(value, self.n):
-                raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by tinypaged's server; "
-                                    f"leave {name} out (or null)", name)
+                raise APIError(400, f"{name}={json.dumps(value, default=str)[:80]} is not supported by tinypaged's "
+                                    f"server; leave {name} out (or null)", name)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
+            value = json.dumps(self.stream_options.continuous_usage_stats, default=str)[:80]
+            raise APIError(400, f"stream_options.continuous_usage_stats={value} is not supported by tinypaged's "
+                                f"server (include_usage is: one usage chunk at the end); leave it out (or false)",
+                           "stream_options.continuous_usage_stats")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                              stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos)
+                              stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                              min_p=self.min_p, allowed_token_ids=self.allowed_token_ids)
 
 
 class CompletionRequest(_Sampling):
@@ -154,6 +216,15 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = None
+    # vLLM's chat extensions, passed to the chat template as vLLM passes them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    # not implemented: refused by name when set
+    chat_template: Any = None
+    documents: Any = None
+
+    _unimplemented: ClassVar[dict] = {**UNIMPLEMENTED, **CHAT_UNIMPLEMENTED}
 
 
 class APIError(Exception):
@@ -183,6 +254,9 @@ def validation_error(errors: list) -> APIError:
     return APIError(400, f"{param or 'body'}: {msg}", param)
 
 
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 256, 1000  # bad_words are tokenized on the event loop: a small bound
+
+
 # -- the app -------------------------------------------------------------------------------------------
 class Server:
     """The routes' shared state: the engine loop, its tokenizer, metrics and the served name.
@@ -200,11 +274,13 @@ class Server:
             self.llm, self.engine, self.loop = None, None, engine
             engine.max_queued, engine.observer = max_queued, self.metrics
             self.max_model_len, max_num_seqs = engine.max_model_len, engine.max_num_seqs
+            self.vocab_size = engine.vocab_size
         else:
             self.llm, self.engine = engine, engine.llm_engine
             self.loop = EngineLoop(self.engine, self.engine.detokenizer.stream_text, max_queued, self.metrics)
             self.loop.refuse_long_max_tokens = True  # a 400 naming both numbers, as vLLM's server
             self.max_model_len, max_num_seqs = self.engine.config.max_model_len, self.engine.config.max_num_seqs
+            self.vocab_size = self.engine.input_processor.vocab_size
         self.metrics.watch(self.loop)
         self.created = int(time.time())
         # the size bounds (module docstring), fixed before the loop starts: checks cost O(1) on the event loop
@@ -213,6 +289,12 @@ class Server:
         self.max_prompt_chars = 2 * longest * self.max_model_len if longest else None  # None: ids only
         per_prompt = max(12 * (self.max_prompt_chars or 0), 16 * self.max_model_len)  # ids: "1234567, "
         self.max_body_bytes = 2**20 + per_prompt * (max_num_seqs + max_queued)
+        # a call can never hold more prompts than the server takes at once (past that it would be a 503 midway)
+        self.max_prompts = max_num_seqs + max_queued
+        # every message costs at least one token of the chat template (its role marker), so a chat of more
+        # messages than max_model_len cannot fit: refused before the template is rendered
+        self.max_messages = self.max_model_len
+        self.body_timeout = BODY_TIMEOUT_S
 
     @property
     def tokenizer(self):
@@ -261,13 +343,23 @@ class Server:
         else:
             raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "lists of token ids", "prompt")
+        if len(prompts) > self.max_prompts:
+            raise APIError(400, f"prompt holds {len(prompts)} prompts, more than this server takes in one call: "
+                                f"max_num_seqs + max_queued ({self.max_prompts}, --max-num-seqs + "
+                                f"--max-queued-requests); send them in several calls", "prompt")
+        top = self.vocab_size - 1
         for i, one in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
             if isinstance(one, str):
                 self.check_text_size(len(one), where, "prompt")
-            elif len(one["prompt_token_ids"]) > self.max_model_len:
-                raise APIError(400, f"{where} has {len(one['prompt_token_ids'])} token ids, more than max_model_len "
+                continue
+            ids = one["prompt_token_ids"]
+            if len(ids) > self.max_model_len:
+                raise APIError(400, f"{where} has {len(ids)} token ids, more than max_model_len "
                                     f"({self.max_model_len})", "prompt")
+            if self.vocab_size and not all(0 <= t <= top for t in ids):  # before any booking or encoding
+                bad = [t for t in ids if not 0 <= t <= top]
+                raise APIError(400, f"{where} has token ids {bad[:5]} outside the vocabulary (0..{top})", "prompt")
         return prompts
 
     def check_text_size(self, chars: int, where: str, param: str) -> None:
@@ -277,14 +369,74 @@ class Server:
                                 f"({self.max_model_len}) tokens, and text over {self.max_prompt_chars} characters "
                                 f"is refused before it is tokenized", param)
 
-    def chat_prompt(self, req: ChatRequest) -> dict:
+    def with_bad_words(self, req: _Sampling, params: SamplingParams) -> SamplingParams:
+        """``params`` with the request's ``bad_words`` as token ids, as vLLM's ``update_from_tokenizer``: each word
+        (its leading spaces stripped) tokenized as it is and after a space, the second kept only when it is another
+        word token (a different first id, as many ids)."""
+        if not req.bad_words:
+            return params
         tok = self.tokenizer
         if isinstance(tok, _NoTokenizer):
+            raise APIError(400, f"bad_words needs a tokenizer; model {self.model_name!r} has none", "bad_words")
+        if len(req.bad_words) > MAX_BAD_WORDS:  # tokenized here, on the event loop: bounded
+            raise APIError(400, f"bad_words holds {len(req.bad_words)} words, more than {MAX_BAD_WORDS}", "bad_words")
+        ids = []
+        for word in req.bad_words:
+            if not word.strip():
+                raise APIError(400, f"bad_words must hold words, got {json.dumps(word)}", "bad_words")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise APIError(400, f"bad_words entries must be at most {MAX_BAD_WORD_CHARS} characters, got "
+                                    f"{len(word)}", "bad_words")
+            plain = tok.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tok.encode(" " + word.lstrip(), add_special_tokens=False)
+            ids.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                ids.append(spaced)
+        return dataclasses.replace(params, bad_words_token_ids=ids)
+
+    def check_allowed_ids(self, params: SamplingParams) -> None:
+        """``allowed_token_ids`` inside the vocabulary (vLLM's 400), before any work."""
+        ids = params.allowed_token_ids
+        if ids is not None and self.vocab_size and any(t >= self.vocab_size for t in ids):
+            bad = [t for t in ids if t >= self.vocab_size]
+            raise APIError(400, f"allowed_token_ids {bad[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                           "allowed_token_ids")
+
+    def check_chat(self, req: ChatRequest) -> None:
+        """The chat's O(1)-ish checks, on the event loop, before its template is rendered (off it)."""
+        if isinstance(self.tokenizer, _NoTokenizer):
             raise APIError(400, f"model {self.model_name!r} has no tokenizer, so no chat template: use "
                                 "/v1/completions with token ids", "messages")
+        if len(req.messages) > self.max_messages:
+            raise APIError(400, f"messages holds {len(req.messages)} messages: a chat of more messages than "
+                                f"max_model_len ({self.max_model_len}) cannot fit (each costs at least one token "
+                                f"of the chat template)", "messages")
         self.check_text_size(sum(len(m.content) for m in req.messages), "the messages' content", "messages")
+        if req.add_generation_prompt and req.continue_final_message:  # vLLM's rule
+            raise APIError(400, "add_generation_prompt and continue_final_message cannot both be true",
+                           "continue_final_message")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs the last message to be the assistant's (the "
+                                "reply to continue)", "continue_final_message")
+        reserved = {"messages", "conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                    "chat_template", "tools", "documents", "return_dict", "return_tensors"}
+        clash = sorted(reserved & set(req.chat_template_kwargs or {}))
+        if clash:
+            raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)} (request fields or the "
+                                f"server's own arguments)", "chat_template_kwargs")
+
+    def chat_prompt(self, req: ChatRequest) -> dict:
+        """The chat rendered by the model's template and tokenized: slow for a long chat, so the route runs it
+        off the event loop (``asyncio.to_thread``), after ``check_chat``."""
+        tok = self.tokenizer
         msgs = [{"role": m.role, "content": m.content} for m in req.messages]
-        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message, tokenize=False,
+                                           **(req.chat_template_kwargs or {}))
+        except Exception as exc:  # noqa: BLE001 - the template refused the chat (jinja's raise_exception)
+            raise APIError(400, f"the model's chat template refused these messages: {type(exc).__name__}: "
+                                f"{' '.join(str(exc).split())[:300]}", "messages") from None
         return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
 
 
@@ -293,8 +445,8 @@ class _NoTokenizer:
         return ""
 
 
-SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop",
-                   "n", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids",
+                   "stop", "n", "ignore_eos", "allowed_token_ids")
 
 
 def _param_of(message: str, default: str | None) -> str | None:
@@ -320,9 +472,12 @@ def _params(req: _Sampling, max_tokens, chat: bool = False) -> SamplingParams:
         raise APIError(400, msg, field) from None
 
 
-async def _read_json(request: Request, server: Server) -> dict:
-    """The body as a JSON object: too long (413), not UTF-8, not JSON, nested too deeply or not an object
-    (400) are refused in OpenAI's error shape, before anything else is done with it."""
+BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a trickling client is a 408, its slot freed)
+
+
+async def _read_body(request: Request, server: Server) -> bytes:
+    """The body's bytes: too long (413) or too slow to arrive (408, ``BODY_TIMEOUT_S``) are refused in OpenAI's
+    error shape, before anything else is done with it."""
     limit = server.max_body_bytes
     too_long = (f"the request body is over {limit} bytes, more than any request this server can take "
                 f"(max_model_len {server.max_model_len}); send a shorter prompt")
@@ -330,10 +485,28 @@ async def _read_json(request: Request, server: Server) -> dict:
     if length.isdigit() and int(length) > limit:
         raise APIError(413, too_long, None)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, too_long, None)
+
+    async def read():
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise APIError(413, too_long, None)
+
+    try:
+        await asyncio.wait_for(read(), timeout=server.body_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {server.body_timeout:g} s "
+                            f"({len(body)} bytes came); send it at once", None, "timeout") from None
+    return bytes(body)
+
+
+async def _read_json(request: Request, server: Server) -> dict:
+    """The body as a JSON object: too long (413), too slow (408), not UTF-8, not JSON, nested too deeply or not
+    an object (400) are refused in OpenAI's error shape, before anything else is done with it."""
+    return _json_object(await _read_body(request, server))
+
+
+def _json_object(body: bytes) -> dict:
     try:
         text = bytes(body).decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -351,14 +524,22 @@ async def _read_json(request: Request, server: Server) -> dict:
     return obj
 
 
+PARSE_ON_LOOP_BYTES = 64 * 1024  # a larger body is parsed and validated on a worker thread, not the event loop
+
+
 async def _parse(request: Request, server: Server, model: type[_Sampling]) -> _Sampling:
-    obj = await _read_json(request, server)
-    try:
-        req = model.model_validate(obj)
-    except ValidationError as exc:
-        raise validation_error(exc.errors()) from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply", None) from None
+    body = await _read_body(request, server)
+
+    def parse():
+        obj = _json_object(body)
+        try:
+            return model.model_validate(obj)
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", None) from None
+
+    req = parse() if len(body) <= PARSE_ON_LOOP_BYTES else await asyncio.to_thread(parse)
     _check_model(req, server.model_name)
     req.refuse_unimplemented()
     return req
@@ -441,7 +622,8 @@ def create_app(llm, model_name: str, max_queued: int = 256, stream=None, access_
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, server, CompletionRequest)
-        params = _params(req, req.max_tokens)
+        params = server.with_bad_words(req, _params(req, req.max_tokens))
+        server.check_allowed_ids(params)
         prompts = server.completion_prompts(req)
         return await _serve(server, request, req, prompts, params, chat=False)
 
@@ -449,8 +631,11 @@ def create_app(llm, model_name: str, max_queued: int = 256, stream=None, access_
     async def chat(request: Request):
         req = await _parse(request, server, ChatRequest)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = _params(req, max_tokens, chat=True)
-        return await _serve(server, request, req, [server.chat_prompt(req)], params, chat=True)
+        params = server.with_bad_words(req, _params(req, max_tokens, chat=True))
+        server.check_allowed_ids(params)
+        server.check_chat(req)
+        prompt = await asyncio.to_thread(server.chat_prompt, req)  # a long chat's template: not on the event loop
+        return await _serve(server, request, req, [prompt], params, chat=True)
 
     @app.post("/v1/completions/render")
     async def render_completions(request: Request):
@@ -480,25 +665,38 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
     kind = "chatcmpl" if chat else "cmpl"
     call_id = server.loop.next_id(kind)
     subs = []
+    ok = False
     try:
+        next_look = time.monotonic() + DISCONNECT_CHECK_S
         for i, prompt in enumerate(prompts):
             rid = f"{call_id}-{i}"
             deliver = (lambda ev, i=i: aio.call_soon_threadsafe(events.put_nowait, (i, ev)))
-            sub = await asyncio.to_thread(
+            submitting = asyncio.ensure_future(asyncio.to_thread(
                 lambda rid=rid, prompt=prompt, deliver=deliver:
-                    server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver))
+                    server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver)))
+            try:
+                sub = await asyncio.shield(submitting)
+            except asyncio.CancelledError:  # the call was cancelled while its thread submits: abort what it books
+                submitting.add_done_callback(
+                    lambda t: t.cancelled() or t.exception() is not None or server.loop.abort(t.result().request_id))
+                raise
             subs.append(sub)
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        _abort(server, subs)
+            if len(prompts) > 1 and time.monotonic() >= next_look:  # a client that left stops the rest at once
+                next_look = time.monotonic() + DISCONNECT_CHECK_S
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
+        ok = True
+    except (ValueError, TypeError, NotImplementedError, OverflowError) as exc:
         raise APIError(400, str(exc), _param_of(str(exc), "messages" if chat else "prompt")) from None
     except Overloaded as exc:
-        _abort(server, subs)
         raise APIError(503, f"server overloaded: {exc}; retry later", None, "server_overloaded") from None
     except ShuttingDown as exc:
-        _abort(server, subs)
         raise APIError(503, str(exc), None, "server_shutting_down") from None
     except EngineDead as exc:
         raise APIError(503, str(exc), None, "engine_dead") from None
+    finally:
+        if not ok:  # whatever went wrong (a cancelled call too): no request of this call is left running
+            _abort(server, subs)
     call = _Call(server, call_id, chat, len(prompts) * params.n, params.n, req.return_token_ids, subs)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -507,6 +705,9 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
     if isinstance(result, APIError):
         return JSONResponse(error_body(result), status_code=result.status)
     return result
+
+
+DISCONNECT_CHECK_S = 0.25  # how often a call looks for its client having gone (submitting, collecting)
 
 
 def _abort(server: Server, subs) -> None:
@@ -562,16 +763,24 @@ class _Call:
         return out
 
     async def collect(self, events: asyncio.Queue, request):
-        """Wait for every choice; a client that goes away aborts the call's requests."""
-        while len(self.done) < self.num_choices:
-            try:
-                i, ev = await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    _abort(self.server, self.subs)
-                    return APIError(499, "client disconnected")
-                continue
-            self._take(i, ev)
+        """Wait for every choice; a client that goes away aborts the call's requests (looked at every
+        ``DISCONNECT_CHECK_S``, however busy the events are)."""
+        next_look = time.monotonic() + DISCONNECT_CHECK_S
+        try:
+            while len(self.done) < self.num_choices:
+                try:
+                    i, ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK_S)
+                    self._take(i, ev)
+                except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + DISCONNECT_CHECK_S
+                    if await request.is_disconnected():
+                        _abort(self.server, self.subs)
+                        return APIError(499, "client disconnected")
+        except BaseException:  # cancelled (the server stopping): abort what is left
+            _abort(self.server, self.subs)
+            raise
         if self.error is not None:
             return APIError(500, f"the engine failed while running this request: {self.error}", None, "internal_error")
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -626,12 +835,63 @@ class AccessLog:
                         time.perf_counter() - start)
 
 
+# -- slow clients ------------------------------------------------------------------------------------
+HEADER_TIMEOUT_S = 10.0  # a request's head (request line and headers) must arrive within this, or the connection
+TIMEOUT_KEEP_ALIVE_S = 5  # is closed; an idle kept-alive connection closes after this (uvicorn's and vLLM's 5 s)
+
+
+def _timed_protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's head: uvicorn closes idle kept-alive connections
+    (``timeout_keep_alive``) but waits for ever on a client that trickles its request line and headers a byte at a
+    time (each byte resets nothing it watches), so one client can hold any number of connections. The body has its
+    own deadline in the app (``BODY_TIMEOUT_S``, a 408)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class TimedH11Protocol(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_head_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_head_deadline()  # the next request on this connection, if one starts, has the same deadline
+
+        def _arm_head_deadline(self):
+            old = getattr(self, "_head_deadline", None)
+            if old is not None:
+                old.cancel()
+            self._cycle_at_arm = self.cycle
+            self._head_deadline = self.loop.call_later(header_timeout, self._head_too_slow)
+
+        def _head_too_slow(self):
+            self._head_deadline = None
+            waiting = self.cycle is self._cycle_at_arm and (self.cycle is None or self.cycle.response_complete)
+            if waiting and not self.transport.is_closing():  # no new request's head came in time
+                self.transport.close()
+
+        def connection_lost(self, exc):
+            if getattr(self, "_head_deadline", None) is not None:
+                self._head_deadline.cancel()
+            super().connection_lost(exc)
+
+    return TimedH11Protocol
+
+
+def uvicorn_config(app, header_timeout: float = HEADER_TIMEOUT_S, timeout_keep_alive: int = TIMEOUT_KEEP_ALIVE_S,
+                   **kwargs):
+    """uvicorn's config for the app, with the slow-client deadlines (the head's, keep-alive's)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=_timed_protocol(header_timeout), timeout_keep_alive=timeout_keep_alive, **kwargs)
+
+
 # -- command line -------------------------------------------------------------------------------------
 class ServerThread:
     """The app on uvicorn in a background thread, on 127.0.0.1 and a free port (tests, benchmarks,
     notebooks); ``close()`` shuts it down the way Ctrl-C does."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 60.0,
+                 header_timeout: float = HEADER_TIMEOUT_S):
         import socket
         import threading
 
@@ -642,7 +902,7 @@ class ServerThread:
                 sock.bind((host, 0))
                 port = sock.getsockname()[1]
         self.app, self.port, self.url = app, port, f"http://{host}:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn_config(app, header_timeout, host=host, port=port, log_level="error"))
         self.thread = threading.Thread(target=self.server.run, name="tinypaged-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + timeout
@@ -684,10 +944,15 @@ def bind_socket(host: str, port: int):
     return sock
 
 
+def _terminated(signum, frame):
+    raise KeyboardInterrupt("SIGTERM")
+
+
 DEATH_GRACE_S = 2.0  # after the engine core dies: 503s and error events for this long, then the server exits
 
 
 def serve(args) -> int:
+    import signal
     import threading
 
     import uvicorn
@@ -701,6 +966,12 @@ def serve(args) -> int:
     sock = bind_socket(args.host, args.port)
     client = None
     server = None
+    # SIGTERM (a supervisor's stop, ``kill``) is a graceful shutdown exactly as Ctrl-C: uvicorn catches both while
+    # it serves and raises the signal again once it has stopped; this handler turns that (and a SIGTERM while the
+    # model loads) into the KeyboardInterrupt that Ctrl-C gives, so the exit status is 0, not 143
+    previous_term = None
+    if threading.current_thread() is threading.main_thread():
+        previous_term = signal.signal(signal.SIGTERM, _terminated)
     try:
         configure_logging()
         name = args.served_model_name or args.model
@@ -722,14 +993,21 @@ def serve(args) -> int:
                          banner=banner)
         # uvicorn handles Ctrl-C: it stops accepting, lets open responses finish, then runs the
         # lifespan's shutdown (the engine loop drains and stops; the core process is shut down)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               timeout_graceful_shutdown=30))
+        server = uvicorn.Server(uvicorn_config(app, timeout_keep_alive=getattr(args, "timeout_keep_alive",
+                                                                                TIMEOUT_KEEP_ALIVE_S),
+                                              host=args.host, port=args.port, log_level="warning",
+                                              timeout_graceful_shutdown=30))
         with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the Ctrl-C again once it has shut down
             server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM before serving began (while the model loaded)
+        logger.info("stopped before serving")
+        return 0
     finally:
         sock.close()
         if client is not None:
             client.stop()  # idempotent: no engine core outlives the server
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
     if client is not None and client.dead is not None:
         logger.error("exiting: the engine core process died (%s)", client.dead)
         return 1

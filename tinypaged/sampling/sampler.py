@@ -1,6 +1,6 @@
-"""Choosing tokens and the token rules for stopping: greedy, temperature, top-k, top-p, per-sequence
-seeds, ``min_tokens``, EOS, stop token ids and length (vLLM's semantics). Stop strings are text: the
-Detokenizer (``tinypaged.engine.detokenizer``) owns them.
+"""Choosing tokens and the token rules for stopping: greedy, temperature, min-p, top-k, top-p, allowed token
+ids, bad words, per-sequence seeds, ``min_tokens``, EOS, stop token ids and length (vLLM's semantics). Stop
+strings are text: the Detokenizer (``tinypaged.engine.detokenizer``) owns them.
 
 * Until a sequence has ``min_tokens`` outputs, EOS and its ``stop_token_ids`` get -inf logits, so they
   cannot be chosen (vLLM's min-tokens logits processor), and no token stop check fires.
@@ -30,12 +30,49 @@ def suppress_early_stops(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Ten
     return logits
 
 
+def allow_only(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """-inf on every token outside a sequence's ``allowed_token_ids`` (vLLM's), in a copy. Ids beyond the
+    vocabulary allow nothing: a row left with no token fails alone ("every token's logit is -inf")."""
+    copied = False
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        allowed = getattr(seq.params, "allowed_token_ids", None)
+        if allowed is not None:
+            if not copied:
+                logits, copied = logits.clone(), True
+            keep = torch.full((vocab,), float("-inf"))
+            ids = [t for t in allowed if 0 <= t < vocab]
+            keep[ids] = 0.0
+            logits[row] += keep
+    return logits
+
+
+def ban_bad_words(logits: torch.Tensor, seqs) -> torch.Tensor:
+    """vLLM's bad words: for each banned sequence of ids whose prefix the output ends with, -inf on its last id,
+    in a copy (vLLM's ``apply_bad_words``: the output tokens only; ids beyond the vocabulary ban nothing)."""
+    copied = False
+    vocab = logits.shape[-1]
+    for row, seq in enumerate(seqs):
+        words = getattr(seq.params, "bad_words_token_ids", None)
+        if not words:
+            continue
+        past = seq.output_token_ids
+        for word in words:
+            k = len(word) - 1
+            if k > len(past) or not 0 <= word[-1] < vocab or (k and list(past[-k:]) != list(word[:k])):
+                continue
+            if not copied:
+                logits, copied = logits.clone(), True
+            logits[row, word[-1]] = float("-inf")
+    return logits
+
+
 def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
            eos_token_ids=()) -> tuple[list[int | None], list[float | None], dict[int, str]]:
     """One token per row of ``logits`` [N, vocab]: ``(token ids, their log-probabilities, failures)``.
     ``failures`` maps the index of each row that could not be sampled to the reason; such a row's
     token and log-probability are None, and the other rows are unaffected."""
-    logits = suppress_early_stops(logits.float().cpu(), seqs, eos_token_ids)
+    logits = ban_bad_words(allow_only(suppress_early_stops(logits.float().cpu(), seqs, eos_token_ids), seqs), seqs)
     # one pass over the vocabulary answers both checks and gives the log-probabilities: log p(t) = logit(t) -
     # logsumexp(row); a row holding a NaN has a NaN logsumexp, a row whose every logit is -inf has -inf
     lse = torch.logsumexp(logits, dim=-1)
@@ -65,9 +102,12 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
 
 
 def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
-    """One token from one row of logits under ``p`` (temperature, top-k, top-p); greedy rows never come here:
+    """One token from one row of logits under ``p`` (temperature, min-p, top-k, top-p); greedy rows never come here:
     ``sample`` takes their argmax for all of them at once."""
     row = row / p.temperature
+    if p.min_p > 0.0:  # vLLM's order: temperature, min_p, then top-k and top-p
+        probs = torch.softmax(row, dim=-1)
+        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0:
         kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -76,6 +116,7 @@ def _sample_row(row: torch.Tensor, p, generator: torch.Generator) -> int:
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token once the mass before it already reaches top_p (the first always stays)
         drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False  # even where top_p rounds to 0 in float32 (SamplingParams refuses such a top_p)
         row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(row, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
