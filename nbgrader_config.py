@@ -16,8 +16,14 @@ from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Clea
                                     DeduplicateIds, GetGrades, IgnorePattern, LimitOutput, OverwriteKernelspec,
                                     SaveAutoGrades)
 
+from tinypaged.course.coursework import sanitize_html
 from tinypaged.course.grading.nbgrader_verify import (CompareGivenCells, RecordFindings, SandboxedExecute,
-                                                      VerifyChecks)
+                                                      VerifyChecks, seal_nbgrader)
+
+# autograde and generate_feedback copy nothing but the notebooks (nbgrader copies every other file of a
+# submission folder, following links); a folder holding a link or any other file is refused (FLAGGED, 0, named);
+# a failure of nbgrader's own steps is an AUTOGRADE FAILED line (a FAILED row), never a silent 0.
+seal_nbgrader()
 
 HERE = Path(__file__).resolve().parent
 c = get_config()  # noqa: F821  (provided by traitlets when it loads this file)
@@ -43,6 +49,10 @@ c.Autograde.sanitize_preprocessors = [ClearOutput, DeduplicateIds, OverwriteKern
 c.SandboxedExecute.cpu_timeout = 300
 c.SandboxedExecute.timeout = 600
 c.VerifyChecks.cpu_timeout = 300
+# a firm ceiling per submission, whatever the per-cell and per-check limits add up to: wall seconds for the
+# feedback run and as many for the checks (the job's total_wall), CPU seconds for everything it runs
+c.SandboxedExecute.submission_timeout = c.VerifyChecks.submission_timeout = 900
+c.SandboxedExecute.submission_cpu = c.VerifyChecks.submission_cpu = 3600
 c.Autograde.autograde_preprocessors = [
     SandboxedExecute,
     VerifyChecks,
@@ -57,5 +67,8 @@ c.Autograde.autograde_preprocessors = [
 # `nbgrader generate_feedback`: the learner never sees the hidden tests' code (their seeds); the verdicts in the
 # test cells name a failing hidden case by its number, with the visible hint only (tinypaged.course.grading.verify).
 c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
+# ... and a learner's <script>, event handlers and javascript: links never reach it (nh3)
+c.HTMLExporter.sanitize_html = True
+c.HTMLExporter.filters = {"clean_html": sanitize_html}
 # `nbgrader export`: automatic and written points apart, a status and the findings line per submission.
 c.ExportApp.plugin_class = "tinypaged.course.grading.nbgrader_verify.TinypagedCsvExport"

@@ -11,7 +11,7 @@ import pytest
 from tinypaged.course import checks, coursework
 from tinypaged.course.grading import notebook as nbk
 from tinypaged.course.grading.scan import scan_notebook
-from tinypaged.course.grading.verify import apply_to_notebook, build_job, score
+from tinypaged.course.grading.verify import apply_to_notebook, build_job, effective_seed, score
 
 SOLVED = """def add(a, b):
     ### BEGIN SOLUTION
@@ -199,7 +199,7 @@ def evidence(impl=ff, calls=("test_ff/0", "test_ff/1"), **extra):
     """What a probe would have reported for ``impl`` (observed in this process: the verifier is what is tested)."""
     records = {}
     for key in calls:
-        hidden = 7 if key.endswith("/1") else None
+        hidden = effective_seed(7) if key.endswith("/1") else None
         records[key] = checks.observe(checks.get("first_fit"), impl, hidden, detect=False)
     return {"records": records, "cells": {}, "kills": [], "refused": [], "threads": [], **extra}
 

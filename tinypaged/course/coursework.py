@@ -12,12 +12,21 @@
 scratch course and copies the released notebook to ``exercises/``: solution regions become
 ``raise NotImplementedError("not implemented yet")``, hidden tests and outputs are removed, cells are locked.
 
-``grade`` is the quick path without a gradebook: each notebook (its stage comes from
-``metadata.tinypaged.stage``, not the file name) is graded by :func:`tinypaged.course.grading.verify.grade`
+``grade`` is the quick path without a gradebook: each notebook (its assignment, hence its stage, comes from its
+**file name**, ``02_block_table.ipynb`` -> stage 02, :func:`~tinypaged.course.grading.notebook.assignment_of`;
+never from ``metadata.tinypaged.stage``, which a learner can write: a mismatch is only noted; a name that names no
+assignment is refused in one line) is graded by :func:`tinypaged.course.grading.verify.grade`
 (the learner's code extracted by the instructor's ``grade_id`` and checked in a sandboxed process, the
 verdicts judged here), then run in a sandboxed kernel for the learner's feedback. It refuses to run
 without bubblewrap unless told ``--unsafe-no-sandbox``. Exit status 0 only if every notebook gets every
 automatic point (2: no sandbox, or an output path refused).
+
+Each submission has a firm ceiling, whatever the per-cell and per-check limits add up to
+(:class:`~tinypaged.course.grading.sandbox.SubmissionBudget`): ``--submission-timeout`` wall seconds for the checks
+and as many again for the feedback run (default 900 each), and ``--submission-cpu`` CPU seconds for everything it
+runs (default 3600); the sandboxes' cgroups are killed when either is spent, and the report says so.
+The feedback HTML is sanitized (:func:`sanitize_html`, ``nh3``): a learner's ``<script>``, event handlers and
+``javascript:`` links never reach the page.
 
 Outputs (``--out DIR``: ``DIR/grades.csv`` and ``DIR/feedback/``; or ``--csv``/``--feedback``) must lie outside
 every submission's folder and outside the repository (:func:`output_problem`): they are created private (0700)
@@ -235,45 +244,121 @@ def private_dir(path: Path) -> Path:
     return Path(path)
 
 
-def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1800, memory_gb: float = 8.0):
-    """``scratch -> Sandbox``: the recipe every sandboxed run of one submission uses."""
+SUBMISSION_TIMEOUT = 900  # wall seconds for one submission's checks, and as many for its feedback run
+SUBMISSION_CPU = 3600  # CPU seconds for everything one submission runs
+
+
+def sandbox_factory(hide: list[Path], unsafe: bool = False, cpu_seconds: int = 1800, memory_gb: float = 8.0,
+                    budget=None):
+    """``scratch -> Sandbox``: the recipe every sandboxed run of one submission uses (``budget``: that
+    submission's :class:`~tinypaged.course.grading.sandbox.SubmissionBudget`, shared by all its sandboxes)."""
     from tinypaged.course.grading.sandbox import Sandbox
 
     return lambda scratch: Sandbox(scratch, hide=list(hide), cpu_seconds=cpu_seconds,
-                                   memory_bytes=int(memory_gb * (1 << 30)), unsafe=unsafe)
+                                   memory_bytes=int(memory_gb * (1 << 30)), unsafe=unsafe, budget=budget)
+
+
+def grade_with_ceiling(source: dict, sub: dict, stage: str, make, total_wall: float, **kw) -> dict:
+    """:func:`tinypaged.course.grading.verify.grade` with the submission's wall-clock ceiling for the checks'
+    process (the job's ``total_wall``); the sandboxes' :class:`~tinypaged.course.grading.sandbox.SubmissionBudget`
+    enforces the same ceiling from outside."""
+    from tinypaged.course.grading import verify
+
+    return verify.grade(source, sub, stage, make, total_wall=total_wall, **kw)
+
+
+def max_points(source: dict) -> float:
+    """The automatic points of an assignment: its test cells' points (what a report's ``max_score`` is even
+    when grading failed, so an error never reads as 0/0)."""
+    return round(sum(nbk.points(c) for c in source["cells"] if nbk.is_test(c)), 2)
+
+
+def budget_finding(budget) -> list[dict]:
+    """The finding for a submission stopped by its budget (none when it stayed within)."""
+    if budget is None or not budget.exceeded:
+        return []
+    return [dict(kind="killed", cell=None, line=0, checks=[], what=budget.exceeded + ": what was left was stopped",
+                 counted=False)]
+
+
+# Tags and attributes a feedback page keeps from a learner's markdown and outputs (nh3's defaults, plus ``class``
+# for the highlighted code and the tables' alignment): no script, style, iframe, form or event handler survives.
+_KEEP_ATTRIBUTES = {"*": {"class", "title", "lang", "align"}}
+_URL_SCHEMES = {"http", "https", "mailto"}
+
+
+def sanitize_html(html: str) -> str:
+    """``html`` from a learner (rendered markdown, an output's ``text/html`` or SVG) made safe to show: ``nh3``
+    keeps only harmless tags and attributes: no ``<script>``, no ``on*=`` handler, no ``javascript:`` URL."""
+    import nh3
+
+    if isinstance(html, bytes):
+        html = html.decode(errors="replace")
+    attributes = {tag: set(names) for tag, names in nh3.ALLOWED_ATTRIBUTES.items()}
+    for tag, names in _KEEP_ATTRIBUTES.items():
+        attributes[tag] = attributes.get(tag, set()) | names
+    return nh3.clean(html, attributes=attributes, url_schemes=_URL_SCHEMES)
+
+
+def feedback_exporter():
+    """nbconvert's HTML exporter with sanitizing on (``sanitize_html``: no JavaScript outputs, markdown and HTML
+    passed through ``clean_html``) and ``clean_html`` being :func:`sanitize_html`."""
+    from nbconvert import HTMLExporter
+
+    return HTMLExporter(sanitize_html=True, filters={"clean_html": sanitize_html})
 
 
 def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: bool = False,
                    execute: bool = True, feedback: Path | None = None, cell_timeout: int = 600,
-                   cpu_timeout: int = 300, notebook_timeout: int = 7200, idle: float = 120.0,
-                   hide: list[Path] = (), serving_cpu: int | None = None) -> dict:
+                   cpu_timeout: int = 300, notebook_timeout: int | None = None, idle: float = 120.0,
+                   hide: list[Path] = (), serving_cpu: int | None = None,
+                   submission_timeout: float = SUBMISSION_TIMEOUT, submission_cpu: float = SUBMISSION_CPU) -> dict:
     """Grade one submitted notebook (:func:`tinypaged.course.grading.verify.grade`), then run it for the
-    learner's feedback (no grade is taken from that run); the report as a dict."""
+    learner's feedback (no grade is taken from that run); the report as a dict.
+
+    The assignment (and stage) is the file name's (:func:`~tinypaged.course.grading.notebook.assignment_of`),
+    never the notebook's metadata. The checks get at most ``submission_timeout`` wall seconds, the feedback run as
+    many (or ``notebook_timeout``, if smaller), and everything together ``submission_cpu`` CPU seconds. Once the
+    instructor's notebook is known, ``max_score`` is its real total, even when grading fails."""
     import time
 
-    from tinypaged.course.grading import verify
     from tinypaged.course.grading.execute import run_notebook
-    from tinypaged.course.grading.sandbox import SandboxUnavailable
+    from tinypaged.course.grading.sandbox import SandboxUnavailable, SubmissionBudget, interpreter_problem
 
     t0 = time.monotonic()
     report: dict = {"notebook": str(path), "score": 0.0, "max_score": 0.0, "tests": [], "errors": [],
                     "findings": [], "manual": [], "manual_points": 0.0}
     try:
-        sub = nbk.read(path)
-        stage = nbk.stage_of(sub, path)
-        if stage is None:
-            raise ValueError(f"{path}: no stage in metadata.tinypaged.stage and none in the file name")
-        source_path = nbk.source_for_stage(stage, solutions)
+        try:
+            assignment = nbk.assignment_of(path, solutions)
+        except ValueError as e:
+            nbk.read(path)  # an unreadable file is named as such first
+            raise e
+        stage = assignment[:2]
+        source_path = Path(solutions) / f"{assignment}.ipynb"
         source = nbk.read(source_path)
+        report.update(stage=stage, max_score=max_points(source))
+        sub = nbk.read(path)
     except (ValueError, FileNotFoundError) as e:
         report["error"] = str(e)
         return report
-    make = sandbox_factory([*hidden_paths([path]), Path(solutions), *hide], unsafe)
+    mismatch = nbk.stage_mismatch(sub, stage)
+    if mismatch:
+        report["findings"].append(dict(kind="stage", cell=None, line=0, checks=[], what=mismatch, counted=False))
+    budget = SubmissionBudget(submission_timeout, submission_cpu).phase(submission_timeout, "the checks")
+    make = sandbox_factory([*hidden_paths([path]), Path(solutions), *hide], unsafe, budget=budget)
     try:
-        report.update(verify.grade(source, sub, stage, make, cell_cpu=cpu_timeout, check_cpu=cpu_timeout,
-                                   idle_s=idle, serving_cpu=serving_cpu))
-        if execute:
-            executed = run_notebook(nbk.assemble(source, sub), make, cell_timeout, notebook_timeout, cpu_timeout)
+        why = interpreter_problem(make)
+        if why is not None:
+            raise _Unstartable(why)
+        graded = grade_with_ceiling(source, sub, stage, make, submission_timeout, cell_cpu=cpu_timeout,
+                                    check_cpu=cpu_timeout, idle_s=idle, serving_cpu=serving_cpu)
+        graded["findings"] = report["findings"] + graded.get("findings", []) + budget_finding(budget)
+        report.update(graded)
+        if execute and not budget.exceeded:
+            limit = submission_timeout if notebook_timeout is None else min(notebook_timeout, submission_timeout)
+            budget.phase(limit, "the feedback run")
+            executed = run_notebook(nbk.assemble(source, sub), make, cell_timeout, limit, cpu_timeout, stage=stage)
             stopped = executed.get("metadata", {}).get("tinypaged", {}).get("stopped")
             if stopped:
                 report["findings"].append(dict(kind="killed", cell=stopped.get("cell"), line=0, checks=[],
@@ -282,14 +367,19 @@ def grade_notebook(path: Path, solutions: Path = ROOT / "solutions", *, unsafe: 
                 out = Path(feedback) / f"{Path(path).resolve().parent.name}-{Path(path).stem}.html"
                 write_feedback(executed, report, source, out)
                 report["feedback"] = str(out)
-    except SandboxUnavailable as e:
+    except (SandboxUnavailable, _Unstartable) as e:
         report["error"] = str(e)
     except Exception as e:  # grading itself failed: an error on the submission's line, never a silent 0
         report["error"] = f"grading failed: {type(e).__name__}: {e}"
+    report["max_score"] = report.get("max_score") or max_points(source)
     report.update(notebook=str(path), stage=stage, seconds=round(time.monotonic() - t0, 1),
                   source=str(source_path.relative_to(solutions.parent))
                   if source_path.is_relative_to(solutions.parent) else str(source_path))
     return report
+
+
+class _Unstartable(RuntimeError):
+    """The grader's interpreter cannot start inside the sandbox (one line): grading stops, blaming no one's code."""
 
 
 def write_feedback(executed: dict, report: dict, source: dict, path: Path) -> None:
@@ -297,7 +387,6 @@ def write_feedback(executed: dict, report: dict, source: dict, path: Path) -> No
     import copy
 
     import nbformat
-    from nbconvert import HTMLExporter
 
     from tinypaged.course.grading.verify import apply_to_notebook
 
@@ -308,7 +397,7 @@ def write_feedback(executed: dict, report: dict, source: dict, path: Path) -> No
                                     flags=re.S)
     nb["cells"].insert(0, {"cell_type": "markdown", "metadata": {}, "source": "```\n" + format_report(report) + "\n```"})
     path.parent.mkdir(parents=True, exist_ok=True)
-    body, _ = HTMLExporter().from_notebook_node(nbformat.from_dict(nb))
+    body, _ = feedback_exporter().from_notebook_node(nbformat.from_dict(nb))
     path.write_text(body)
 
 
@@ -340,7 +429,7 @@ def format_report(r: dict) -> str:
     for e in r["errors"]:
         lines.append(f"  your cell {e['grade_id'] or e['cell']} raised {e['error']}")
     for f in r["findings"]:
-        if f.get("counted") or f["kind"] == "killed":
+        if f.get("counted") or f["kind"] in ("killed", "stage"):
             what = f"uses the package's reference implementation {f['what']}" \
                 if f["kind"] == "reuse" and not f.get("runtime") else f["what"]
             where = f"cell {f['cell']}, line {f['line']}: " if f.get("line") else ""
@@ -417,8 +506,14 @@ def main(argv=None) -> int:
                    help="seconds a cell of the feedback run may go without using the CPU (a hang; default 600)")
     g.add_argument("--idle", type=float, default=120.0,
                    help="stop a check that uses no CPU for this many seconds (default 120)")
-    g.add_argument("--notebook-timeout", type=int, default=7200,
-                   help="wall seconds per feedback run, a last resort (default 7200)")
+    g.add_argument("--notebook-timeout", type=int, default=None,
+                   help="wall seconds per feedback run (default and at most: --submission-timeout)")
+    g.add_argument("--submission-timeout", type=_positive_int, default=SUBMISSION_TIMEOUT, metavar="SECONDS",
+                   help=f"firm wall-clock ceiling per submission: this many seconds for its checks and as many "
+                        f"for its feedback run (default {SUBMISSION_TIMEOUT})")
+    g.add_argument("--submission-cpu", type=_positive_int, default=SUBMISSION_CPU, metavar="SECONDS",
+                   help=f"CPU seconds for everything one submission runs, all processes together (default "
+                        f"{SUBMISSION_CPU}; enforced through cgroups)")
     g.add_argument("--no-execute", action="store_true",
                    help="grade only: skip the feedback run of the notebook (the grade never comes from it)")
     g.add_argument("--unsafe-no-sandbox", action="store_true",
@@ -503,7 +598,8 @@ def main(argv=None) -> int:
         return grade_notebook(nb, args.solutions, unsafe=args.unsafe_no_sandbox, execute=not args.no_execute,
                               feedback=args.feedback, cell_timeout=args.timeout, cpu_timeout=args.cpu_timeout,
                               notebook_timeout=args.notebook_timeout, idle=args.idle, hide=hide,
-                              serving_cpu=args.serving_cpu_timeout)
+                              serving_cpu=args.serving_cpu_timeout, submission_timeout=args.submission_timeout,
+                              submission_cpu=args.submission_cpu)
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:  # each notebook runs in its own sandboxed processes
         reports = list(pool.map(one, args.notebooks))

@@ -149,6 +149,10 @@ class BlockManager:
         self.block_tables = self.parts.BlockTables(self.allocator, block_size)
         self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
         self.refcounts: dict[int, int] = {}  # block -> how many tables hold it (no entry: free)
+        # Whether a block can be held by two tables (prefix caching, or a fork happened): only then do stage 3's
+        # copy-on-write and reference-counted free run; until then stage 2's BlockTables grows and frees every
+        # table by itself (the same blocks in the same order), so stage 2's engine runs on stage 2's parts alone.
+        self.sharing = enable_prefix_caching
         self.max_model_len = max_model_len
         self.copy_block = copy_block or (lambda src, dst: None)
         self.hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full blocks, as far as known
@@ -269,7 +273,7 @@ class BlockManager:
             table.append(block)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         end = start + num_new_tokens
-        if num_new_tokens and len(table) == blocks_needed(start, self.block_size):
+        if self.sharing and num_new_tokens and len(table) == blocks_needed(start, self.block_size):
             copy = self.parts.append_slot(table, start, self.block_size, self.refcounts, self.allocator)
             if copy is not None:
                 self.copy_block(*copy)  # done now, before the forward reads it
@@ -286,11 +290,17 @@ class BlockManager:
 
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts go up; nothing is copied)."""
+        self.sharing = True
         self.tables[child.seq_id] = self.parts.fork(self.tables.get(parent.seq_id, []), self.refcounts)
         self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
 
     def _release(self, seq_id) -> None:
-        self.parts.free_table(self.tables.pop(seq_id, []), self.refcounts, self.allocator)
+        if self.sharing:
+            self.parts.free_table(self.tables.pop(seq_id, []), self.refcounts, self.allocator)
+        else:  # every block has one holder: stage 2's free, tail first as free_table does
+            for block in self.tables.get(seq_id, []):
+                self.refcounts.pop(block, None)
+            self.block_tables.free(seq_id)
         self.hashes.pop(seq_id, None)
 
     def free(self, seq) -> None:

@@ -188,11 +188,38 @@ def plain(value):
     return f"<{type(value).__name__}>"
 
 
-def _show(value) -> str:
+def _show(value, other=None) -> str:
+    """``value`` in at most about MAX_SHOWN characters. With ``other`` (the value it is compared with), a long
+    value is cut around the first character where the two differ, at the same place in both, so that a message
+    shows the difference rather than the prefix they share."""
     if isinstance(value, dict) and "tensor" in value:
         return f"a tensor of shape {tuple(value['tensor'])}"
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
+    text = _text_of(value)
+    if len(text) <= MAX_SHOWN:
+        return text
+    start = 0
+    if other is not None and not (isinstance(other, dict) and "tensor" in other):
+        start = max(0, _first_difference(text, _text_of(other)) - MAX_SHOWN // 4)  # the same in both texts
+    head = "..." if start else ""
+    body = text[start: start + MAX_SHOWN - 3 - len(head)]
+    return head + body + ("..." if start + len(body) < len(text) else "")
+
+
+def _text_of(value) -> str:
+    return json.dumps(value) if not isinstance(value, str) else repr(value)
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _show_both(want, got) -> str:
+    """``expected ..., got ...``, each cut around their first difference; cut lists of different lengths say so."""
+    shown_want, shown_got = _show(want, got), _show(got, want)
+    sizes = ""
+    if isinstance(want, list) and isinstance(got, list) and len(want) != len(got) and "..." in shown_want + shown_got:
+        sizes = f" ({len(want)} items expected, {len(got)} received)"
+    return f"expected {shown_want}, got {shown_got}{sizes}"
 
 
 def _number(x) -> bool:
@@ -260,8 +287,8 @@ def _differ(want, got, tol: float) -> tuple[list, str] | None:
             return None
         if tol:
             return None if all(_differ(w, g, tol) is None for w, g in zip(want, got)) else \
-                ([], f"expected {_show(want)}, got {_show(got)}")
-    return None if want == got else ([], f"expected {_show(want)}, got {_show(got)}")
+                ([], _show_both(want, got))
+    return None if want == got else ([], _show_both(want, got))
 
 
 # ---------------------------------------------------------------- running cases
@@ -548,10 +575,22 @@ def check(name: str, impl, hidden: int | None = None) -> None:
     """Run one check and print its one-line verdict (``evaluate`` returns it instead).
 
     In grading mode the kernel only observes: it displays the record for the grader, which computes the
-    expected results and the verdict in its own process (so nothing is judged twice).
+    expected results and the verdict in its own process (so nothing is judged twice). Outside grading, a student
+    edition refuses hidden cases with one line and no verdict: its expected values for them would be the
+    learner's own (visible cases use the expectations stored in the edition).
     """
     c = get(name)
     what = f"check {name}" + (" (hidden cases)" if hidden is not None else "")
+    if hidden is not None and not grading():
+        import importlib.util
+
+        try:  # the marker module that student_edition.write puts in every edition (the package has none)
+            edition = importlib.util.find_spec("tinypaged._edition") is not None
+        except (ImportError, ValueError):
+            edition = False
+        if edition:
+            print(f"{what}: hidden cases are graded by the grader; the student edition holds no answers for them")
+            return
     record = observe(c, impl, hidden)
     if grading():
         print(f"{what}: observed {len(record['outcomes'])} case(s) for the grader")

@@ -6,16 +6,18 @@ The reference is the package's own ``tinypaged.lab.routing.CacheAwareRouter``. T
 interface: ``CacheAwareRouter(num_replicas, cache_threshold, balance_abs_threshold, balance_rel_threshold,
 max_tree_size)``, ``route(prompt_token_ids) -> replica``, ``finished(replica)``, ``imbalanced()``, ``load`` and
 ``trees`` (one stage-7 ``RadixTree`` per replica). A case records the replicas chosen, the loads and the trees'
-sizes, never node identities.
+sizes, never node identities. One case routes through a subclass whose ``matched`` is told what the replicas hold
+(as ``PreciseRouter``'s is): a ``route`` that reads its trees instead of calling ``self.matched`` fails it.
 
 ``router_in_proxy`` starts two in-process replicas of the seeded tiny model (prefix caching on) behind
 ``tinypaged.entrypoints.router_proxy`` on 127.0.0.1, sends six requests of two conversations through it one after
 the other, and records where each went, each replica's prefix-cache hit tokens and whether every output equals the
-offline engine's greedy tokens.
+offline engine's greedy tokens; it prints the decisions and the hit tokens per replica for the learner.
 """
 
 from __future__ import annotations
 
+import os
 import random
 
 from tinypaged.course.checks import Case, register
@@ -88,6 +90,21 @@ def _workout(kw: dict, seed: int, steps: int):
     return run
 
 
+def _told(kw: dict, ops: list, holder: int, prefix: list):
+    """``_script`` on a subclass whose ``matched`` is told what the replicas hold (as ``PreciseRouter``'s is, from
+    KV events): replica ``holder`` holds every prompt that starts with ``prefix``, the others nothing, whatever the
+    router's own trees say. A ``route`` that reads the trees itself instead of calling ``self.matched`` misses it."""
+    def matched(self, replica, key):
+        key = tuple(key)
+        return len(key) if replica == holder and key[: len(prefix)] == tuple(prefix) else 0
+
+    def run(cls, t):
+        # (something that is not a class, a stub function say, runs as it is: it fails or is "not written yet")
+        told = type(cls.__name__, (cls,), {"matched": matched, "__module__": __name__}) if isinstance(cls, type) else cls
+        _script(kw, ops)(told, t)
+    return run
+
+
 A, B = list(range(100, 110)), list(range(200, 210))  # two 10-token "system prompts"
 
 
@@ -125,6 +142,12 @@ def cases_cache_aware_router(hidden):
                   ("finished", 1), ("route", A + [5])]),
             case("trees evict down to max_tree_size", dict(num_replicas=1, max_tree_size=12),
                  [("route", A), ("route", B), ("route", A + [1]), ("route", [3] * 30)]),
+            Case("route asks self.matched (a subclass told what the replicas hold)",
+                 _told(dict(num_replicas=3), [("route", A), ("route", B), ("route", A + [1]), ("route", B + [2]),
+                                              ("route", A + [3])], holder=2, prefix=A[:3]),
+                 "route must get each replica's match from self.matched(r, key), not from the trees directly: a "
+                 "subclass (PreciseRouter, told by the replicas' KV events) replaces matched to say what the "
+                 "replicas really hold; here it says replica 2 holds every prompt that starts like A"),
             Case("random workout", _workout(dict(num_replicas=3, cache_threshold=0.3, balance_abs_threshold=2,
                                                   balance_rel_threshold=1.5, max_tree_size=40), 9, 60), "",
                  step_hints=STEP_HINTS, weight=2),
@@ -195,6 +218,10 @@ def cases_router_in_proxy(hidden):
         router.route([1, 2, 3])  # an unfinished router raises NotImplementedError here, before any replica starts
         router.finished(0)
         got = run_through_proxy(cls(2))
+        if os.environ.get("TINYPAGED_PROBE") != "1":
+            print("your router sent the six requests (conversations A, A, B, A, B, B) to replicas "
+                  f"{got['went']}; prefix-cache hit tokens per replica: {got['hits']} "
+                  f"(24 for each request that found its conversation's shared prompt cached)")
         t(WENT, got["went"])
         t(FACTS[0], _hits_follow_routing(got["went"], got["hits"]))
         t(FACTS[1], got["outputs"] == _offline_greedy())

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import signal
 import subprocess
 import sys
@@ -75,11 +76,13 @@ def _cpu_budget_text(job: dict) -> str:
     return f"{check} s of CPU" if serving == check else f"{check} s of CPU a check, {serving} s for a serving check"
 
 
-def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: str) -> str:
+def _why(rc: int, stderr: str, stopped: str | None, cpu_budget: str, own: bool = False) -> str:
+    """Why a probe stopped, in the judge's words. ``own``: no learner code ran yet, so the last line of its
+    stderr is the grader's own and is quoted (otherwise it is the learner's text and never shown)."""
     if stopped:
         return stopped
     sig = _signal_name(rc)
-    tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] if stderr.strip() else []
+    tail = [line for line in stderr.strip().splitlines() if line.strip()][-1:] if stderr.strip() and own else []
     said = f" ({tail[0][:160]})" if tail else ""
     if sig == "SIGXCPU":
         return f"ran past its CPU-time budget ({cpu_budget})"
@@ -175,7 +178,8 @@ def _event(line: bytes, job: dict) -> dict | None:
                 call = calls[key]  # what was checked comes from the job, never from the sandbox
                 return {"call": key, "record": {"check": call["check"], "hidden": call["hidden"],
                                                 "outcomes": [_outcome(o) for o in outcomes]}}
-            if isinstance(e.get("case"), int) and not isinstance(e["case"], bool):
+            if isinstance(e.get("case"), int) and not isinstance(e["case"], bool) \
+                    and 0 <= e["case"] < max(1, len(calls[key].get("cases", []))):  # a number the judge can name
                 return {"call": key, "case": e["case"]}
             for k in ("start", "skipped"):
                 if e.get(k) is True:
@@ -183,8 +187,9 @@ def _event(line: bytes, job: dict) -> dict | None:
             return None
         if e.get("finished") is True:
             return {"finished": True}
-        if isinstance(e.get("probe_error"), str):
-            return {"probe_error": e["probe_error"][-2000:]}
+        if isinstance(e.get("probe_error"), str):  # its text may be the learner's: it goes to the grader's log
+            print(f"tinypaged grading: the probe failed: {e['probe_error'][-2000:]}", file=sys.stderr)
+            return {"probe_error": "see the grader's log"}
     except _Invalid as why:
         if "call" in e and isinstance(e.get("call"), str) and e["call"] in calls:
             call = calls[e["call"]]
@@ -218,17 +223,91 @@ class _Reader(threading.Thread):
                 self.on_line(line)
 
 
+SUBMISSION_WALL = 900.0  # seconds: the ceiling on one submission's checks, whatever its budgets add up to
+
+
 def wall_limits(job: dict) -> tuple[float, float]:
-    """(per step, per submission) wall-clock seconds: from the job, else from its CPU budgets."""
+    """(per step, per submission) wall-clock seconds: ``step_wall`` / ``total_wall`` from the job, else from its
+    CPU budgets; the submission's never above ``total_wall`` or :data:`SUBMISSION_WALL` (a slow drip of CPU in
+    every step cannot hold a grader for hours), and no step longer than the submission."""
     from tinypaged.course.grading.probe import SERVING_CPU
 
     cpu = max(job.get("check_cpu", 300), job.get("cell_cpu", 120))
     serving = job.get("serving_cpu", SERVING_CPU)
     step = job.get("step_wall") or 2 * max(cpu, serving) + 60
     learner = sum(1 for c in job["cells"] if c.get("learner"))
-    total = job.get("total_wall") or 2 * (job.get("cell_cpu", 120) * learner + job.get("check_cpu", 300)
-                                         * len(job["calls"])) + 2 * serving + 120
-    return float(step), float(total)
+    total = job.get("total_wall") or min(SUBMISSION_WALL, 2 * (job.get("cell_cpu", 120) * learner
+                                                               + job.get("check_cpu", 300) * len(job["calls"]))
+                                         + 2 * serving + 120)
+    return float(min(step, total)), float(total)
+
+
+def sandbox_job(job: dict) -> dict:
+    """What the sandbox is told of a job: the module's cells, the limits and, per call, the part's name and the
+    judge's cases as data (:mod:`~tinypaged.course.grading.wire`). No check name to look up, no seed (hidden or
+    not), no expected value: the judge keeps those."""
+    keep = ("cells", "cell_cpu", "check_cpu", "serving_cpu", "skip_calls", "skip_cells_from")
+    out = {k: job[k] for k in keep if k in job}
+    out["calls"] = [{"key": c["key"], "target": c["target"], "serving": bool(c.get("serving")),
+                     "cases": c.get("cases", [])} for c in job["calls"]]
+    return out
+
+
+class _Feeder(threading.Thread):
+    """The judge's side of the calls channel: the job's header first, then one call at a time, the next only once
+    the probe reported the previous one's record (or that it skipped it), then the end of the stream. So a hidden
+    case's inputs reach the sandbox only after every call before it, visible ones first, has its record here
+    (the first record of a call is the one judged): nothing shown in feedback can carry them."""
+
+    def __init__(self, calls: list[dict]):
+        super().__init__(daemon=True)
+        self.calls, self.sent = list(calls), None
+        self.lines: "queue.Queue[bytes | None]" = queue.Queue()
+
+    def start(self, pipe, header: dict) -> None:
+        self.pipe = pipe
+        self.lines.put(json.dumps(header).encode() + b"\n")
+        super().start()
+
+    def saw(self, line: bytes) -> None:
+        """An event line from the probe (its reader thread): maybe the signal for the next call."""
+        if b'"ready"' not in line and b'"record"' not in line and b'"skipped"' not in line:
+            return
+        try:
+            e = json.loads(line)
+        except ValueError:
+            return
+        if not isinstance(e, dict):
+            return
+        if (e.get("ready") is True and self.sent is None) or \
+                (self.sent is not None and e.get("call") == self.sent and ("record" in e or e.get("skipped") is True)):
+            self._next()
+
+    def _next(self) -> None:
+        if self.calls:
+            call = self.calls.pop(0)
+            self.sent = call["key"]
+            self.lines.put(json.dumps(call).encode() + b"\n")
+        else:
+            self.sent = ""
+            self.lines.put(None)  # no more calls: the probe finishes
+
+    def run(self):
+        try:
+            while (line := self.lines.get()) is not None:
+                self.pipe.write(line)
+                self.pipe.flush()
+        except (BrokenPipeError, OSError, ValueError):
+            pass
+        finally:
+            try:
+                self.pipe.close()
+            except (BrokenPipeError, OSError):
+                pass
+
+    def stop(self) -> None:
+        self.lines.put(None)
+        self.join(5)
 
 
 def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
@@ -240,22 +319,21 @@ def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
         if box.edition is None and not box.unsafe:  # the student edition of the job's stage: no answers inside
             box.edition = edition_for_stage(job["stage"])
         state = {"step_t": time.monotonic(), "finished": False}
+        plan = sandbox_job(job)
+        feeder = _Feeder([c for c in plan.pop("calls") if c["key"] not in set(job.get("skip_calls", []))])
 
         def on_line(line: bytes) -> None:  # any event is a step boundary for the wall clock
             state["step_t"] = time.monotonic()
+            feeder.saw(line)
 
         with box:
             cmd = box.command([sys.executable, "-m", "tinypaged.course.grading.probe"])
             proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, env=box.popen_env(), start_new_session=True)
             out, err = _Reader(proc.stdout, "lines", on_line), _Reader(proc.stderr, "tail")
+            feeder.start(proc.stdin, plan)
             out.start()
             err.start()
-            try:
-                proc.stdin.write(json.dumps(job).encode())
-                proc.stdin.close()
-            except (BrokenPipeError, OSError):
-                pass
             stopped, last_cpu, last_t = None, 0.0, time.monotonic()
             while proc.poll() is None:
                 time.sleep(0.5)
@@ -273,6 +351,7 @@ def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
                     _kill(proc)
             out.join(10)
             err.join(10)
+            feeder.stop()
         events = [e for e in (_event(line, job) for line in out.lines) if e is not None]
         stderr = err.tail.decode(errors="replace")
         if proc.returncode == 0 and stopped is None and events and events[-1].get("finished") \
@@ -280,7 +359,8 @@ def run_probe(job: dict, make_sandbox, idle_s: float = 120.0,
             return events, None
         if any("probe_error" in e for e in events):
             return events, "the grader's probe failed: " + next(e["probe_error"] for e in events if "probe_error" in e)
-        return events, _why(proc.returncode, stderr, stopped, _cpu_budget_text(job))
+        own = not any("cell" in e or "call" in e for e in events)  # no learner code had run
+        return events, _why(proc.returncode, stderr, stopped, _cpu_budget_text(job), own)
 
 
 def _complete(job: dict, events: list[dict]) -> bool:

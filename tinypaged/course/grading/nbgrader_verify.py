@@ -21,16 +21,35 @@
 * :class:`TinypagedCsvExport` (``nbgrader export``) writes one row per student and assignment with the
   automatic and the written points apart, the status and that findings line.
 
+* :class:`SealedAutograde` and :class:`SealedFeedback` (installed by :func:`seal_nbgrader`, which
+  ``nbgrader_config.py`` calls) replace nbgrader's ``Autograde`` and ``GenerateFeedback`` converters: nothing but
+  the graded notebooks is ever copied into ``autograded/`` or ``feedback/`` (nbgrader copies every other file of
+  the folder, following links: the instructor's source, ``/etc/shadow``, another learner's notebook); a
+  submission folder holding a symbolic link, anything that is not a regular file, or any file but the
+  assignment's notebooks (and nbgrader's own ``timestamp.txt``) is refused before nbgrader reads a byte of it:
+  FLAGGED, 0 for every graded cell, the reason in the gradebook's comment (:func:`record_refusal`); and a
+  failure of nbgrader's own steps (``CheckCellMetadata`` on tampered metadata, a duplicated ``grade_id`` ...)
+  is recorded as ``AUTOGRADE FAILED`` with the step and its message (a FAILED row), never a silent 0.
+* The feedback HTML (``generate_feedback``) is sanitized: ``HTMLExporter.sanitize_html`` with ``clean_html``
+  being :func:`tinypaged.course.coursework.sanitize_html` (``nh3``), set in ``nbgrader_config.py``.
+
 The instructor's notebook comes from the course's ``source/<assignment>/<notebook>.ipynb`` (the same
-files ``generate_assignment`` released), else from ``solutions/`` by the notebook's stage.
+files ``generate_assignment`` released), else from ``solutions/`` by the **notebook's name**
+(:func:`~tinypaged.course.grading.notebook.assignment_of`), never by the stage its metadata claims.
+Each submission runs under one :class:`~tinypaged.course.grading.sandbox.SubmissionBudget`
+(``submission_timeout`` wall seconds for the feedback run and as many for the checks, ``submission_cpu`` CPU
+seconds in all; configurable on ``SandboxedExecute`` and ``VerifyChecks``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 from nbformat import from_dict
+from nbgrader.converters import Autograde, GenerateFeedback
 from nbgrader.plugins import ExportPlugin
 from nbgrader.preprocessors import NbGraderPreprocessor, OverwriteCells
 from traitlets import Float, Integer
@@ -135,11 +154,13 @@ def _source(resources, nb) -> tuple[dict, str]:
 
     course, assignment, notebook = _course_paths(resources)
     src = course / "source" / assignment / f"{notebook}.ipynb"
-    if not src.exists():
-        stage = nbk.stage_of(nb, Path(f"{notebook}.ipynb"))
-        if stage is None:
-            raise FileNotFoundError(f"no source notebook for {assignment}/{notebook}")
-        src = nbk.source_for_stage(stage, coursework.ROOT / "solutions")
+    if not src.exists():  # by the notebook's (or assignment's) name, never by the stage its metadata claims
+        solutions = coursework.ROOT / "solutions"
+        try:
+            name = nbk.assignment_of(Path(f"{notebook}.ipynb"), solutions)
+        except ValueError:
+            name = nbk.assignment_of(Path(f"{assignment}.ipynb"), solutions)
+        src = solutions / f"{name}.ipynb"
     source = nbk.read(src)
     return source, nbk.stage_of(source, src) or ""
 
@@ -157,11 +178,22 @@ def _refuse_links(resources) -> None:
             raise ValueError(f"{p} is a symbolic link (to {os.readlink(p)}): the submission must be the notebook file")
 
 
-def _sandbox(resources):
+def _budget(resources, step, phase: str):
+    """The submission's :class:`~tinypaged.course.grading.sandbox.SubmissionBudget` (made by the first step that
+    runs it, shared through ``resources``), in a new phase with ``step``'s wall-clock ceiling."""
+    from tinypaged.course.grading.sandbox import SubmissionBudget
+
+    mine = resources.setdefault("tinypaged", {})
+    if mine.get("budget") is None:
+        mine["budget"] = SubmissionBudget(step.submission_timeout, step.submission_cpu)
+    return mine["budget"].phase(step.submission_timeout, phase)
+
+
+def _sandbox(resources, budget=None):
     from tinypaged.course import coursework
 
     course, _, _ = _course_paths(resources)
-    return coursework.sandbox_factory([*coursework.hidden_paths(), course])
+    return coursework.sandbox_factory([*coursework.hidden_paths(), course], budget=budget)
 
 
 class SandboxedExecute(NbGraderPreprocessor):
@@ -170,6 +202,10 @@ class SandboxedExecute(NbGraderPreprocessor):
     timeout = Integer(600, help="seconds a cell may go without using the CPU (a hang) before its kernel is stopped"
                       ).tag(config=True)
     cpu_timeout = Integer(300, help="CPU seconds per cell").tag(config=True)
+    submission_timeout = Integer(900, help="wall-clock seconds for the whole feedback run of one submission"
+                                 ).tag(config=True)
+    submission_cpu = Integer(3600, help="CPU seconds for everything one submission runs (its checks too)"
+                             ).tag(config=True)
 
     def preprocess(self, nb, resources):
         from tinypaged.course.grading import notebook as nbk
@@ -177,9 +213,11 @@ class SandboxedExecute(NbGraderPreprocessor):
 
         plain = json.loads(json.dumps(nb))
         try:
-            source, _ = _source(resources, plain)
+            source, stage = _source(resources, plain)
             run = nbk.assemble(source, plain)
-            executed = run_notebook(run, _sandbox(resources), self.timeout, 7200, self.cpu_timeout)
+            budget = _budget(resources, self, "the feedback run")
+            executed = run_notebook(run, _sandbox(resources, budget), self.timeout, self.submission_timeout,
+                                    self.cpu_timeout, stage=stage or None)
         except Exception as e:  # grading still happens (VerifyChecks); the feedback says why it is missing
             self.log.error("tinypaged: the feedback run failed: %s", e)
             resources.setdefault("tinypaged", {})["feedback_error"] = str(e)
@@ -198,11 +236,14 @@ class SandboxedExecute(NbGraderPreprocessor):
 class VerifyChecks(NbGraderPreprocessor):
     cpu_timeout = Integer(300, help="CPU seconds per learner cell and per check").tag(config=True)
     idle = Float(120.0, help="stop a check that uses no CPU for this many seconds").tag(config=True)
+    submission_timeout = Integer(900, help="wall-clock seconds for all the checks of one submission (the job's "
+                                 "total_wall)").tag(config=True)
+    submission_cpu = Integer(3600, help="CPU seconds for everything one submission runs").tag(config=True)
 
     def preprocess(self, nb, resources):
         from tinypaged.course import checks
         from tinypaged.course.grading import notebook as nbk
-        from tinypaged.course.grading.verify import apply_to_notebook, grade
+        from tinypaged.course.grading.verify import apply_to_notebook
 
         plain = json.loads(json.dumps(nb))
         source = None
@@ -213,10 +254,22 @@ class VerifyChecks(NbGraderPreprocessor):
             if handed_in and stage and handed_in != stage:  # another assignment's notebook is refused, not graded
                 raise ValueError(f"the submission is a stage {handed_in} notebook, not stage {stage} "
                                  f"({resources['nbgrader'].get('assignment')})")
-            report = grade(source, plain, stage, _sandbox(resources), self.cpu_timeout, self.cpu_timeout, self.idle)
+            from tinypaged.course import coursework
+            from tinypaged.course.grading.sandbox import interpreter_problem
+
+            budget = _budget(resources, self, "the checks")
+            make = _sandbox(resources, budget)
+            why = interpreter_problem(make)
+            if why is not None:
+                raise RuntimeError(why)
+            report = coursework.grade_with_ceiling(source, plain, stage, make, self.submission_timeout,
+                                                   cell_cpu=self.cpu_timeout, check_cpu=self.cpu_timeout,
+                                                   idle_s=self.idle)
+            report["findings"] = report.get("findings", []) + coursework.budget_finding(budget)
         except Exception as e:  # a failed autograde is flagged with its reason, never a silent 0
             self.log.error("tinypaged: autograde failed: %s", e)
-            report = {"error": f"{type(e).__name__}: {e}", "score": 0.0, "max_score": 0.0, "findings": [],
+            real_max = sum(nbk.points(c) for c in (source or plain)["cells"] if nbk.is_test(c))
+            report = {"error": f"{type(e).__name__}: {e}", "score": 0.0, "max_score": real_max, "findings": [],
                       "manual_points": 0.0, "errors": [],
                       "tests": [{"grade_id": nbk.grade_id(c), "cell": i, "points": nbk.points(c), "score": 0.0,
                                  "status": checks.FAIL, "message": f"autograde failed: {e}", "checks": []}
@@ -264,6 +317,9 @@ class RecordFindings(NbGraderPreprocessor):
         with Gradebook(meta["db_url"]) as gb:
             sub = gb.find_submission_notebook(meta["notebook"], meta["assignment"], meta["student"])
             sub.flagged = bool(line)
+            for comment in sub.comments:  # an earlier run's line (a refusal, a failure) is not this run's
+                if comment.auto_comment and comment.auto_comment.startswith(FINDINGS_PREFIX):
+                    comment.auto_comment = None
             if first is not None:
                 try:
                     comment = gb.find_comment(first, meta["notebook"], meta["assignment"], meta["student"])
@@ -322,6 +378,7 @@ class TinypagedCsvExport(ExportPlugin):
             for c in snb.comments:
                 if c.auto_comment and c.auto_comment.startswith(FINDINGS_PREFIX):
                     findings.append(c.auto_comment[len(FINDINGS_PREFIX):])
+        findings = list(dict.fromkeys(findings))
         status = "FAILED" if any("AUTOGRADE FAILED" in f for f in findings) else "FLAGGED" if flagged else \
             ("GRADED" if written_done else "WRITTEN ANSWERS TO GRADE")
         return [assignment.name, student.id, _r(auto), _r(auto_max), _r(written) if written_done else "",
@@ -330,3 +387,149 @@ class TinypagedCsvExport(ExportPlugin):
 
 def _r(x) -> str:
     return f"{round(float(x or 0), 2):g}"
+
+
+# ---------------------------------------------------------------- nbgrader's converters, sealed
+
+TIMESTAMP = "timestamp.txt"  # nbgrader's own record of when a submission was handed in (kept, checked)
+MAX_TIMESTAMP_BYTES = 4096
+
+
+def submission_problems(folder: Path, notebooks: list[str]) -> list[str]:
+    """What makes a submission folder unsafe to hand to nbgrader (empty: fine). Invariants checked without
+    following any link (``lstat``): the folder and its parent are real folders; every entry is a regular file;
+    the only entries are the assignment's notebooks (``NAME.ipynb`` for NAME in ``notebooks``) and nbgrader's
+    ``timestamp.txt``; a notebook is at most :data:`~tinypaged.course.grading.notebook.MAX_NOTEBOOK_BYTES`, the
+    timestamp at most 4 KiB. Each problem is one line naming the entry."""
+    from tinypaged.course.grading.notebook import MAX_NOTEBOOK_BYTES
+
+    folder = Path(folder)
+    problems = []
+    for p in (folder.parent, folder):
+        try:
+            mode = os.lstat(p).st_mode
+        except OSError as e:
+            return [f"{p} cannot be read ({e.strerror})"]
+        if stat.S_ISLNK(mode):
+            return [f"{p} is a symbolic link (to {os.readlink(p)}): hand in the notebook file itself"]
+        if not stat.S_ISDIR(mode):
+            return [f"{p} is not a folder"]
+    allowed = {f"{n}.ipynb": MAX_NOTEBOOK_BYTES for n in notebooks} | {TIMESTAMP: MAX_TIMESTAMP_BYTES}
+    for name in sorted(os.listdir(folder)):
+        st = os.lstat(folder / name)
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{name} is a symbolic link (to {os.readlink(folder / name)})")
+        elif not stat.S_ISREG(st.st_mode):
+            problems.append(f"{name} is not a regular file ({stat.filemode(st.st_mode)})")
+        elif name not in allowed:
+            problems.append(f"{name} is not part of the assignment (only {', '.join(sorted(allowed))})")
+        elif st.st_size > allowed[name]:
+            problems.append(f"{name} is {st.st_size} bytes, over the limit of {allowed[name]}")
+    return problems
+
+
+def _record(db_url: str, assignment: str, student: str, line: str, notebooks: list[str] | None = None) -> None:
+    """Store ``line`` as the tinypaged comment of each listed notebook of the submission (all when None): every
+    graded cell 0 (automatic) and needing no manual grade, the notebook flagged; the student and the submission
+    are created when nbgrader has not made them yet."""
+    from nbgrader.api import Gradebook
+
+    with Gradebook(db_url) as gb:
+        gb.update_or_create_student(student)
+        sub = gb.update_or_create_submission(assignment, student)
+        for snb in sub.notebooks:
+            if notebooks is not None and snb.name not in notebooks:
+                continue
+            snb.flagged = True
+            for g in snb.grades:
+                g.auto_score, g.needs_manual_grade = 0.0, False
+            for comment in snb.comments:  # every comment row: the export keeps one copy of the line
+                comment.auto_comment = FINDINGS_PREFIX + line + " (automatic 0; written answers graded by hand)"
+        gb.db.commit()
+
+
+def record_refusal(db_url: str, assignment: str, student: str, problems: list[str]) -> str:
+    """A refused submission in the gradebook: FLAGGED, 0, the reason as its findings line (returned)."""
+    line = "refused: the submission folder " + "; ".join(problems)
+    _record(db_url, assignment, student, line)
+    return line
+
+
+def _failed_step(exc: BaseException) -> str:
+    """The nbconvert/nbgrader preprocessor whose code raised ``exc`` (its class name), else the exception's."""
+    from nbconvert.preprocessors import Preprocessor
+
+    name = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, Preprocessor):
+            name = type(owner).__name__
+        tb = tb.tb_next
+    return name or type(exc).__name__
+
+
+class _NotebooksOnly:
+    """Mixin: ``init_assignment`` copies no file but the notebooks (nbgrader copies every other file of the input
+    folder, and of the course's source folder, following links)."""
+
+    def init_assignment(self, assignment_id: str, student_id: str) -> None:
+        ignore = list(self.coursedir.ignore)
+        self.coursedir.ignore = ignore + ["*"]  # nbgrader's find_all_files then finds nothing to copy
+        try:
+            super().init_assignment(assignment_id, student_id)
+        finally:
+            self.coursedir.ignore = ignore
+
+
+class SealedAutograde(_NotebooksOnly, Autograde):
+    """nbgrader's ``Autograde`` that refuses unsafe submission folders (:func:`submission_problems`), copies only
+    the notebook, and records a failure of any of nbgrader's steps as ``AUTOGRADE FAILED`` with its reason."""
+
+    def init_destination(self, assignment_id: str, student_id: str) -> bool:
+        from nbgrader.api import Gradebook, MissingEntry
+
+        folder = Path(self._format_source(assignment_id, student_id))
+        try:
+            with Gradebook(self.coursedir.db_url, self.coursedir.course_id) as gb:
+                names = [n.name for n in gb.find_assignment(assignment_id).notebooks]
+        except MissingEntry:
+            names = [Path(n).stem for n in self.notebooks]
+        problems = submission_problems(folder, names)
+        if not problems:
+            return super().init_destination(assignment_id, student_id)
+        line = record_refusal(self.coursedir.db_url, assignment_id, student_id, problems)
+        self.log.warning("tinypaged: %s: %s", student_id, line)
+        dest = Path(self._format_dest(assignment_id, student_id))
+        if dest.is_dir() and not dest.is_symlink():  # an earlier run's output is not this submission's grade
+            import shutil
+
+            shutil.rmtree(dest, ignore_errors=True)
+        return False
+
+    def convert_single_notebook(self, notebook_filename: str) -> None:
+        try:
+            super().convert_single_notebook(notebook_filename)
+        except Exception as e:
+            ids = self.init_single_notebook_resources(notebook_filename)["nbgrader"]
+            said = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            line = f"AUTOGRADE FAILED: nbgrader's {_failed_step(e)} stopped: {said}"
+            try:
+                _record(self.coursedir.db_url, ids["assignment"], ids["student"], line, [ids["notebook"]])
+            except Exception as db_error:  # the failure itself is still raised (and logged) by nbgrader
+                self.log.error("tinypaged: could not record the failure: %s", db_error)
+            self.log.error("tinypaged: %s: %s", ids["student"], line)
+            raise
+
+
+class SealedFeedback(_NotebooksOnly, GenerateFeedback):
+    """nbgrader's ``GenerateFeedback`` that copies nothing from ``autograded/`` but the notebooks' HTML."""
+
+
+def seal_nbgrader() -> None:
+    """Make nbgrader's apps and API use :class:`SealedAutograde` and :class:`SealedFeedback` (called from
+    ``nbgrader_config.py``, which every ``nbgrader`` command and ``coursework._nbgrader_api`` load first)."""
+    from nbgrader.apps import api, autogradeapp, generatefeedbackapp
+
+    autogradeapp.Autograde = api.Autograde = SealedAutograde
+    generatefeedbackapp.GenerateFeedback = api.GenerateFeedback = SealedFeedback

@@ -75,6 +75,34 @@ def stage_of(nb: dict, path: Path | None = None) -> str | None:
     return None
 
 
+def assignment_of(path: Path, solutions: Path) -> str:
+    """The assignment a handed-in notebook is graded as, from its **file name** alone: the solution notebook
+    (``solutions/NN_name.ipynb``) whose stem appears in the file's stem (``02_block_table.ipynb``,
+    ``02_block_table-alice.ipynb``, ``alice_02_block_table.ipynb`` -> ``02_block_table``; a name inside a longer
+    one counts as the longer one). The notebook's ``metadata.tinypaged.stage`` never decides it (a learner writes
+    that). Raises ValueError, one line, when the name names no known assignment, or two."""
+    stem = Path(path).stem
+    known = sorted(p.stem for p in Path(solutions).glob("*.ipynb") if re.match(r"\d\d_", p.stem))
+    found = [name for name in known if name in stem]
+    found = [name for name in found if not any(name != other and name in other for other in found)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(f"{Path(path).name} names more than one assignment ({', '.join(found)}): hand it in under "
+                         f"its assignment's file name")
+    raise ValueError(f"{Path(path).name} names no assignment (known: {', '.join(known) or 'none'}): "
+                     f"hand it in under its assignment's file name, e.g. {known[0] if known else 'NN_name'}.ipynb")
+
+
+def stage_mismatch(nb: dict, stage: str) -> str | None:
+    """A consistency note when the notebook's own ``metadata.tinypaged.stage`` names another stage than the one
+    it is graded as (None when it agrees or says nothing): reported, never used to pick the stage."""
+    claimed = nb.get("metadata", {}).get("tinypaged", {}).get("stage") if isinstance(nb.get("metadata"), dict) else None
+    if isinstance(claimed, str) and claimed != stage:
+        return f"the notebook's metadata says stage {claimed!r}; it is graded as stage {stage!r} (its file name)"
+    return None
+
+
 def source_for_stage(stage: str, solutions: Path) -> Path:
     found = sorted(Path(solutions).glob(f"{stage}_*.ipynb"))
     if not found:
@@ -173,8 +201,51 @@ def assemble(source_nb: dict, submission_nb: dict) -> dict:
     return nb
 
 
+MAX_NOTEBOOK_BYTES = 64 << 20  # a submitted notebook larger than this is refused (read back with a cap)
+READ_SECONDS = 10.0  # and one that takes longer than this to read
+
+
+def read_capped(path: Path, max_bytes: int = MAX_NOTEBOOK_BYTES, seconds: float = READ_SECONDS) -> bytes:
+    """The bytes of a file a learner (or a sandbox) controls, read safely by a privileged grader.
+
+    Invariants: the last component is opened with ``O_NOFOLLOW`` (a symbolic link is refused, never followed to
+    ``/etc/shadow`` or ``/dev/zero``) and ``O_NONBLOCK`` (a FIFO cannot hang the open); the opened file must be a
+    regular file (``fstat``, ``S_ISREG``: no FIFO, device or socket); at most ``max_bytes`` are read and a larger
+    file is refused; reading stops after ``seconds``. Every refusal is a ValueError naming the file and the
+    problem."""
+    import stat
+    import time
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if Path(path).is_symlink():
+            raise ValueError(f"{path} is a symbolic link: refused (hand in the file itself)") from None
+        raise ValueError(f"{path} cannot be opened ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)}): refused")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{path} is {st.st_size} bytes, over the limit of {max_bytes}: refused")
+        deadline, chunks, size = time.monotonic() + seconds, [], 0
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > max_bytes:
+                raise ValueError(f"{path} grew past the limit of {max_bytes} bytes while being read: refused")
+            if time.monotonic() > deadline:
+                raise ValueError(f"{path} took longer than {seconds:g} s to read: refused")
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def read(path: Path, within: Path | None = None) -> dict:
-    """A notebook as a dict; a file that is not a notebook raises ValueError naming it. So does a symbolic link
+    """A notebook as a dict (read with :func:`read_capped`: no link followed, no FIFO or device, a size cap); a
+    file that is not a notebook raises ValueError naming it. So does a symbolic link
     (a submission must be the learner's own file: a link could hand in ``solutions/``) and a path that resolves
     outside ``within`` (default: the folder it is in)."""
     path = Path(path)
@@ -186,7 +257,11 @@ def read(path: Path, within: Path | None = None) -> dict:
     if home not in real.parents:
         raise ValueError(f"{path} resolves to {real}, outside its folder {folder}: hand in the notebook file itself")
     try:
-        nb = json.loads(Path(path).read_text())
+        data = read_capped(path)
+    except ValueError as e:  # "PATH is a FIFO ..." -> "PATH is not a readable notebook: it is a FIFO ..."
+        raise ValueError(f"{path} is not a readable notebook: it {str(e).removeprefix(f'{path} ')}") from None
+    try:
+        nb = json.loads(data.decode())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is not a readable notebook: {e}") from e
     if not isinstance(nb, dict) or not isinstance(nb.get("cells"), list):

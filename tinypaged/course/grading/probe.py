@@ -1,22 +1,24 @@
-"""The checks' process: import a learner's code as a module and record what it does on every check's cases.
+"""The checks' process: import a learner's code as a module and answer the judge's calls with data.
 
     python -m tinypaged.course.grading.probe < JOB.json > EVENTS
 
 It runs inside the sandbox (:mod:`~tinypaged.course.grading.sandbox`) with the **student edition** of the
-package (graded bodies are stubs that call the learner's definitions: no reference implementation, no expected
-value, no check's answer is there to reuse), started fresh for every submission by
-:mod:`~tinypaged.course.grading.evidence`. The job (the module's cells: the instructor's given cells and the
-learner's code of the solution cells, in the source's order; the check calls of the test cells, hidden seeds
-included: inputs, not answers) comes on stdin, which is then closed. The events go to the probe's stdout, one
-JSON object per line, written before and after each step, so when the process dies (``os._exit``, a crash in a
-Triton store out of bounds, SIGXCPU at the CPU-time limit, the memory limit) the caller knows which step killed
-it and starts a new probe after that step. The learner's own ``print`` goes to stderr.
+package (every graded part of every stage the class has not finished is a stub that calls the learner's
+definitions; no reference implementation, no expected value is there), started fresh for every submission by
+:mod:`~tinypaged.course.grading.evidence`. The job comes on stdin, which is then closed: the module's cells (the
+instructor's given cells and the learner's code of the solution cells, in the source's order) and, per check
+call of the test cells, the cases the *judge* drew (:mod:`~tinypaged.course.grading.wire`: the part's name and
+each case's driver and inputs as data; no check name to look up, no seed, no expected value). The events go to
+the probe's stdout, one JSON object per line, written before and after each step, so when the process dies
+(``os._exit``, a crash in a Triton store out of bounds, SIGXCPU at the CPU-time limit, the memory limit) the
+caller knows which step killed it and starts a new probe after that step. The learner's own ``print`` goes to
+stderr.
 
-This process only *records*: each case's steps (``checks.Trace``: plain data). The expected results and
-every verdict are computed by the grader, in its own process, from the full package; it takes nothing else
-from here (a line the learner's code writes to the same stream can only claim an observation, which is
-compared like any other). Each learner cell and each check call runs under its own CPU-time budget
-(``RLIMIT_CPU``, soft limit).
+This process only *records*: each case's steps (``checks.Trace``: plain data). The expected results and every
+verdict are computed by the judge, in its own process, from the full package; it takes nothing else from here.
+Whatever the learner's code does in this process (patching the checks, the decoder, the recorder) can only
+change the observations of the cases it was sent, which is what writing an implementation does. Each learner
+cell and each check call runs under its own CPU-time budget (``RLIMIT_CPU``, soft limit).
 """
 
 from __future__ import annotations
@@ -65,10 +67,12 @@ def _resolve(module, expr: str):
     return obj
 
 
-def run(job: dict, events: Events) -> None:
+def run(job: dict, events: Events, calls_in=None) -> None:
+    """The cells of ``job``, then each call read from ``calls_in`` (one JSON line each, sent by the judge once
+    the previous call's record arrived) until it ends; ``job["calls"]`` instead when no channel is given."""
     from tinypaged.course import checks
+    from tinypaged.course.grading import wire
 
-    checks._load_all()
     cells_dir = Path.cwd() / "cells"
     cells_dir.mkdir(exist_ok=True)
     files = {}
@@ -97,35 +101,32 @@ def run(job: dict, events: Events) -> None:
             error = f"{type(e).__name__}: {str(e)[:300]}"
         events(cell=i, done=True, error=error)
 
+    events(ready=True)  # the judge sends the first call now
     skip = set(job.get("skip_calls", []))
-    for call in job["calls"]:
+    for call in _calls(job, calls_in):
         key = call["key"]
         if key in skip:
             continue
         events(call=key, start=True)
-        c = checks.get(call["check"])
         try:
             impl = _resolve(module, call["target"])
         except (KeyError, AttributeError):
             if stop_cells is not None:  # its cell never ran (an earlier probe died there): no observation
                 events(call=key, skipped=True)
                 continue
-            events(call=key, record={"outcomes": [{"steps": [], "error": f"NameError: {call['target']} is not "
-                                                   "defined (did its cell fail?)"}]})
+            events(call=key, record={"outcomes": [{"steps": [], "error": "NameError"}]})
             continue
         outcomes = []
         # a serving check loads and runs a model: it never gets less than SERVING_CPU seconds (or the job's own)
         serving = max(job.get("check_cpu", 300), job.get("serving_cpu", SERVING_CPU))
-        _budget(serving if c.expected is not None else job.get("check_cpu", 300))
-        try:  # a check's cases may use another part of the stage to set up (in the edition: the learner's)
-            cases = c.cases(call["hidden"])
-        except BaseException as e:  # noqa: BLE001
-            todo = checks._mentions_not_implemented(e)
-            events(call=key, record={"outcomes": [{"steps": [], "todo": True} if todo else
-                                                  {"steps": [], "error": f"{type(e).__name__}: {str(e)[:300]}"}]})
-            continue
-        for n, case in enumerate(cases):
+        _budget(serving if call.get("serving") else job.get("check_cpu", 300))
+        for n, data in enumerate(call["cases"]):
             events(call=key, case=n)
+            try:  # the judge's case, rebuilt from data around the checks' own code (grading.wire)
+                case = checks.Case(data["label"], wire.case_function(data))
+            except Exception as e:  # noqa: BLE001  (the learner's code may have broken the decoder)
+                outcomes.append({"steps": [], "error": type(e).__name__})
+                continue
             try:
                 outcomes.append(checks.run_case(case, impl))
             except BaseException as e:  # noqa: BLE001  (SystemExit raised by the learner's code)
@@ -137,16 +138,25 @@ def run(job: dict, events: Events) -> None:
     events(finished=True)
 
 
+def _calls(job: dict, calls_in):
+    if calls_in is None:
+        yield from job.get("calls", [])
+        return
+    for line in iter(calls_in.readline, b""):
+        yield json.loads(line)
+
+
 def main(argv=None) -> int:
     os.environ["TINYPAGED_PROBE"] = "1"  # the serving checks print nothing here (see checks/serving.py)
-    job = json.loads(sys.stdin.read())
+    calls_in = os.fdopen(os.dup(0), "rb")  # the judge's channel: the job's header, then one call at a time
     null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the job is read: nothing more comes in
+    os.dup2(null, 0)  # the learner's code reads nothing from stdin
+    job = json.loads(calls_in.readline())
     events = Events(os.dup(1))
     os.dup2(2, 1)  # the learner's prints go to stderr, not into the events
     sys.stdout = sys.stderr
     try:
-        run(job, events)
+        run(job, events, calls_in)
     except BaseException:  # noqa: BLE001
         events(probe_error=traceback.format_exc()[-2000:])
         raise

@@ -13,11 +13,21 @@ read-only:
 * the GPU's device nodes, when there are any.
 
 Not the repository, ``solutions/``, the course folder, other submissions, ``/root``, or the host's ``/tmp``.
-Writable: a private tmpfs of ``scratch_mb`` MiB (the working directory, ``$HOME`` and ``$TMPDIR``) and, only
-when ``io`` is set, the grader's scratch folder (``/io``: the notebook in and out of the feedback run).
+The interpreter is bound where it really lives and where ``sys.prefix`` spells it (a ``.venv`` that is a symbolic
+link works, :func:`_python_aliases`), with what the environment's own links point at (:func:`_python_paths`);
+:func:`interpreter_problem` says in one line when it still cannot start inside.
+
+Writable: only size-limited tmpfs mounts, each of ``scratch_mb`` MiB: the working directory (``$HOME``,
+``$TMPDIR``), ``/tmp`` and ``/dev/shm``. No host folder is ever writable inside: ``files`` binds single files
+read-only (the feedback runner), and ``io`` (tests, tools) binds the grader's scratch folder **read-only** at
+``/io``. What a sandbox hands back travels over pipes the grader reads with a byte cap (the checks' events, the
+feedback run's cells); a file a grader must read from a learner goes through
+:func:`tinypaged.course.grading.notebook.read_capped` (no link followed, regular files only, a size cap).
 
 Limits: each submission's sandbox runs in its own cgroup (v1 ``memory`` and ``pids``, or v2) with
-``memory_bytes`` and ``processes`` for the submission as a whole (:func:`cgroups_available`; where cgroups
+``memory_bytes`` and ``processes`` for the submission as a whole (and ``cpuacct``, which a
+:class:`SubmissionBudget` polls: CPU seconds and a wall-clock ceiling for every sandbox of one submission
+together, the groups killed when either is spent; :func:`cgroups_available`; where cgroups
 are not writable the per-process ``prlimit`` limits below remain, with a one-line note on stderr); every
 process also gets ``prlimit`` limits: address space, CPU seconds (a CPU-time limit, so a loaded machine never
 turns a correct answer into a timeout), processes, and a file size (``RLIMIT_FSIZE``). No network
@@ -49,7 +59,7 @@ from tinypaged import cpu_native
 NOBODY = 65534
 EDITION = Path("/opt/tinypaged")  # where the student edition is seen inside (on PYTHONPATH)
 WORK = Path("/scratch")  # the private tmpfs inside: working directory, HOME, TMPDIR
-IO = Path("/io")  # the grader's scratch folder, bound only for the feedback run's notebook
+IO = Path("/io")  # the grader's scratch folder, bound read-only when ``io`` is set (never writable)
 CGROUP_ROOT = Path(os.environ.get("TINYPAGED_CGROUP_ROOT", "/sys/fs/cgroup"))
 CGROUP_PARENT = "tinypaged"
 ETC = ("passwd", "group", "nsswitch.conf", "hosts", "host.conf", "ld.so.cache", "ld.so.conf", "ld.so.conf.d",
@@ -70,11 +80,47 @@ def bwrap() -> str | None:
 
 # ---------------------------------------------------------------- what is bound in
 
+def _link_targets(env: Path) -> list[Path]:
+    """The installations the environment's own symbolic links lead to (``bin/python`` -> a base interpreter
+    elsewhere, ``lib64`` ...), read one level deep in ``env`` and ``env/bin``: a target ``X/bin/tool`` brings
+    ``X``, any other target itself."""
+    out = []
+    for folder in (env, env / "bin"):
+        try:
+            entries = list(folder.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_symlink():
+                continue
+            try:
+                real = entry.resolve(strict=True)
+            except (OSError, RuntimeError):
+                continue
+            out.append(real.parent.parent if real.parent.name == "bin" else real if real.is_dir() else real.parent)
+    return out
+
+
 def _python_paths() -> list[Path]:
-    """The interpreter's installation and the environment (the venv), outermost first, none inside another."""
-    paths = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.executable).resolve().parent.parent]
-    found = sorted({p.resolve() for p in paths if p.exists()}, key=lambda p: len(p.parts))
+    """The folders the interpreter needs inside, at their real paths, outermost first, none inside another: the
+    base installation, the environment (the venv) and what their own links point at (:func:`_link_targets`)."""
+    real = [p.resolve() for p in (Path(sys.base_prefix), Path(sys.prefix), Path(sys.executable).parent.parent)
+            if p.exists()]
+    real += [q for p in list(real) for q in _link_targets(p)]
+    found = sorted(set(real), key=lambda p: len(p.parts))
     return [p for i, p in enumerate(found) if not any(q == p or q in p.parents for q in found[:i])]
+
+
+def _python_aliases() -> list[tuple[Path, Path]]:
+    """``(real folder, spelling)`` for each spelling of the interpreter the grader uses (``sys.prefix``, the
+    environment holding ``sys.executable``) that goes through a symbolic link (a ``.venv`` that is a link): the
+    same folder is bound there too, so the command line's ``sys.executable`` starts inside as it does outside."""
+    out = []
+    for p in (Path(sys.prefix), Path(sys.executable).parent.parent):
+        p = Path(os.path.abspath(p))
+        if p.exists() and p != p.resolve() and (p.resolve(), p) not in out:
+            out.append((p.resolve(), p))
+    return out
 
 
 def _package_hooks() -> list[Path]:
@@ -159,21 +205,33 @@ def grader_cache() -> Path:
 _EDITION_LOCK = threading.Lock()
 
 
+EDITION_RULE = "class-2"  # what an edition holds (student_edition.class_assignments, references withheld)
+
+
 def _source_key(root: Path, assignment: str) -> str:
-    """A digest of what an edition is built from: the package's code and the assignment's solution notebook."""
-    h = hashlib.sha256(assignment.encode())
+    """A digest of what an edition is built from: the rule, the package's code (its checks, which name the withheld
+    references, included) and the solution notebooks of every assignment the edition stubs."""
+    from tinypaged.course import student_edition
+
+    h = hashlib.sha256(f"{EDITION_RULE}\0{assignment}".encode())
     for top in ("tinypaged", "kernels"):
         for f in sorted((root / top).rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())
             h.update(f.read_bytes())
-    h.update((root / "solutions" / f"{assignment}.ipynb").read_bytes())
+    for name in student_edition.class_assignments(assignment, root):
+        h.update(name.encode())
+        h.update((root / "solutions" / f"{name}.ipynb").read_bytes())
     return h.hexdigest()[:16]
 
 
 def edition_for(assignment: str) -> Path:
-    """The student edition of ``assignment`` (e.g. ``02_block_table``) for sandboxes: built once per source tree
-    and cached under :func:`grader_cache`; its ``expected_visible.json`` is removed (the sandbox holds no
-    expected values)."""
+    """The student edition that grading ``assignment`` (e.g. ``02_block_table``) imports in sandboxes: every graded
+    part of the stages the class has not finished (``assignment``'s and every later one:
+    ``student_edition.class_assignments``) hands over to the learner, and the reference functions those stages'
+    checks name raise (``write(..., references=True)``), so nothing inside computes an answer being graded,
+    but for the few later parts the engine cannot serve without (``student_edition.ENGINE_NEEDS``).
+    Built once per source tree and cached under :func:`grader_cache`; it holds no expected values (no
+    ``expected_visible.json``)."""
     from tinypaged.course import student_edition
 
     root = student_edition.ROOT
@@ -184,7 +242,9 @@ def edition_for(assignment: str) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{assignment}-", dir=target.parent))
         try:
-            student_edition.write(staging / "e", [assignment], expectations=False)
+            student_edition.write(staging / "e", student_edition.class_assignments(assignment, root),
+                                  expectations=False, references=True,
+                                  keep=student_edition.engine_needs(assignment))
             for f in (staging / "e").rglob("expected_visible.json"):
                 f.unlink()
             for d, _, files in os.walk(staging):
@@ -217,8 +277,18 @@ _LIVE_GROUPS: set[str] = set()
 
 
 def _controllers() -> list[Path]:
-    """The cgroup v1 ``memory`` and ``pids`` hierarchies (the parent of every submission's group)."""
-    return [CGROUP_ROOT / c / CGROUP_PARENT for c in ("memory", "pids")]
+    """The cgroup v1 ``memory`` and ``pids`` hierarchies (the parent of every submission's group), and
+    ``cpuacct`` where it is mounted (a :class:`SubmissionBudget` reads the submission's CPU time there)."""
+    names = ["memory", "pids"] + (["cpuacct"] if (CGROUP_ROOT / "cpuacct" / "cpuacct.usage").exists() else [])
+    return [CGROUP_ROOT / c / CGROUP_PARENT for c in names]
+
+
+def cgroup_cpu_seconds(name: str) -> float | None:
+    """CPU seconds used so far by every process that ever ran in group ``name`` (None: no cpuacct group)."""
+    try:
+        return int((CGROUP_ROOT / "cpuacct" / CGROUP_PARENT / name / "cpuacct.usage").read_text()) / 1e9
+    except (OSError, ValueError):
+        return None
 
 
 def cgroups_available() -> str | None:
@@ -290,6 +360,122 @@ def _cleanup_groups() -> None:
         _cgroup_kill_and_remove(name)
 
 
+# ---------------------------------------------------------------- one submission's budget
+
+class SubmissionBudget:
+    """The ceiling on one submission as a whole, across every sandbox it runs in (the checks' processes, each
+    restart, the feedback run): ``cpu_seconds`` of CPU in all (read from each sandbox's ``cpuacct`` group) and
+    ``wall_seconds`` of wall-clock time per phase (:meth:`phase`: the checks, then the feedback run).
+
+    Invariants: once either is spent, :attr:`exceeded` says which (one line), every live sandbox of the
+    submission is killed (its cgroup; without cgroups, the ``timeout`` wrapper of :meth:`Sandbox.command` still
+    ends each command at the phase's deadline), and a sandbox started afterwards runs nothing but a one-line
+    refusal. A watchdog thread polls while a sandbox is live; it never outlives the submission."""
+
+    POLL = 0.25
+
+    def __init__(self, wall_seconds: float | None = 900.0, cpu_seconds: float | None = 3600.0):
+        self.wall_seconds, self.cpu_seconds = wall_seconds, cpu_seconds
+        self.exceeded: str | None = None
+        self.spent_cpu = 0.0  # CPU seconds of sandboxes already closed
+        self.live: set[str] = set()
+        self._lock = threading.Lock()
+        self._watch: threading.Thread | None = None
+        self.phase(wall_seconds)
+
+    def phase(self, wall_seconds: float | None, name: str = "") -> "SubmissionBudget":
+        """Start a phase with its own wall-clock ceiling (the CPU budget carries over)."""
+        self.wall_seconds, self.name = wall_seconds, name
+        self.deadline = None if wall_seconds is None else time.monotonic() + wall_seconds
+        return self
+
+    def remaining(self) -> float | None:
+        """Wall-clock seconds left in this phase (None: no ceiling)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def cpu_used(self) -> float:
+        with self._lock:
+            return self.spent_cpu + sum(cgroup_cpu_seconds(g) or 0.0 for g in self.live)
+
+    def check(self) -> str | None:
+        """Whether the submission is over its budget now (and why, one line); kills its live groups if so."""
+        if self.exceeded is None:
+            left = self.remaining()
+            if left is not None and left <= 0:
+                what = f" ({self.name})" if self.name else ""
+                self.exceeded = f"the submission ran past its wall-clock ceiling of {self.wall_seconds:g} s{what}"
+            elif self.cpu_seconds is not None and self.cpu_used() > self.cpu_seconds:
+                self.exceeded = f"the submission used more than its {self.cpu_seconds:g} s of CPU time in all"
+        if self.exceeded is not None:
+            with self._lock:
+                groups = list(self.live)
+            for g in groups:
+                _cgroup_kill_and_remove(g)
+        return self.exceeded
+
+    def join(self, group: str) -> None:
+        """A sandbox of this submission got its cgroup: count it, and watch it."""
+        with self._lock:
+            self.live.add(group)
+            if self._watch is None or not self._watch.is_alive():
+                self._watch = threading.Thread(target=self._run, daemon=True, name="submission-budget")
+                self._watch.start()
+
+    def release(self, group: str) -> None:
+        """A sandbox of this submission is closing: its CPU time so far is kept in :attr:`spent_cpu`."""
+        with self._lock:
+            if group in self.live:
+                self.live.discard(group)
+                self.spent_cpu += cgroup_cpu_seconds(group) or 0.0
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self.live:
+                    self._watch = None
+                    return
+            if self.check() is not None:
+                with self._lock:
+                    self.live.clear()
+                    self._watch = None
+                return
+            time.sleep(self.POLL)
+
+
+_INTERPRETER_OK: dict = {}
+
+
+def interpreter_problem(make_sandbox) -> str | None:
+    """None when the grader's interpreter starts inside the sandbox ``make_sandbox`` builds; else why not, in one
+    line (a ``.venv`` whose link target is not bound in, a missing library): grading then stops with that line
+    instead of blaming the learner's code. Checked once per interpreter and sandbox layout in this process."""
+    with tempfile.TemporaryDirectory(prefix="tinypaged-preflight-") as tmp:
+        try:
+            box = make_sandbox(Path(tmp))
+        except SandboxUnavailable:  # no bwrap: the caller's own use of the sandbox says so
+            return None
+        if box.unsafe:
+            return None
+        key = (sys.executable, tuple(_python_paths()), tuple(_python_aliases()), box.edition)
+        if key in _INTERPRETER_OK:
+            return _INTERPRETER_OK[key]
+        import subprocess
+
+        box.budget = None
+        with box:
+            try:
+                proc = subprocess.run(box.command([sys.executable, "-I", "-c", "import encodings, json"]),
+                                      capture_output=True, text=True, timeout=120, cwd=tmp)
+                why = None if proc.returncode == 0 else \
+                    (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1][:300]
+            except subprocess.TimeoutExpired:
+                why = "it did not start within 120 s"
+        if why is not None:
+            why = f"the Python interpreter {sys.executable} cannot start inside the sandbox: {why}"
+        _INTERPRETER_OK[key] = why
+        return why
+
+
 # ---------------------------------------------------------------- the sandbox
 
 @dataclass
@@ -306,7 +492,9 @@ class Sandbox:
     edition: Path | None = None  # the student edition to import tinypaged from (None: no tinypaged inside)
     scratch_mb: int = 512  # size of the private tmpfs (the working directory)
     file_bytes: int = 256 << 20  # RLIMIT_FSIZE: the largest file any process may write
-    io: bool = False  # bind ``scratch`` (the grader's folder) writable at /io
+    io: bool = False  # bind ``scratch`` (the grader's folder) READ-ONLY at /io (nothing of the host is writable)
+    files: dict = field(default_factory=dict)  # inside path -> host file, each bound read-only
+    budget: "SubmissionBudget | None" = None  # the whole submission's CPU and wall-clock ceiling (shared)
     cgroup: str | None = None  # the submission's group name, once ``command`` made it (None: no cgroup)
 
     def __post_init__(self):
@@ -326,10 +514,12 @@ class Sandbox:
 
     def close(self) -> None:
         if self.cgroup is not None:
+            if self.budget is not None:
+                self.budget.release(self.cgroup)
             _cgroup_kill_and_remove(self.cgroup)
 
     def inside(self, path: Path) -> str:
-        """Where a file of the grader's scratch folder is seen inside (``/io/...``) when ``io`` is set."""
+        """Where a file of the grader's scratch folder is seen inside (``/io/...``, read-only) when ``io`` is set."""
         path = Path(path).resolve()
         if self.unsafe:
             return str(path)
@@ -386,15 +576,22 @@ class Sandbox:
             except OSError:
                 pass
         (CGROUP_ROOT / "pids" / CGROUP_PARENT / self.cgroup / "pids.max").write_text(str(self.processes))
+        if self.budget is not None:
+            self.budget.join(self.cgroup)
         script = 'for f in ' + " ".join(procs) + '; do echo $$ > "$f" || exit 125; done; exec "$@"'
         return ["/bin/sh", "-c", script, "tinypaged-sandbox"]
 
     def command(self, argv: list[str]) -> list[str]:
+        refusal = self._over_budget()
+        if refusal is not None:
+            return refusal
         if self.unsafe:
-            return self.limits() + list(argv)
+            return self._deadline() + self.limits() + list(argv)
         ro = "--ro-bind"
         cmd = [bwrap(), "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
                "--new-session", "--proc", "/proc", "--dev", "/dev"]
+        size = str(self.scratch_mb << 20)
+        cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]  # over --dev's own, unbounded /dev/shm
         drop_to_nobody = os.geteuid() == 0 and shutil.which("setpriv") is not None
         if not drop_to_nobody:  # (as root, setpriv needs CAP_SETUID to become nobody, then drops every capability)
             cmd += ["--cap-drop", "ALL"]
@@ -404,7 +601,6 @@ class Sandbox:
                 cmd += ["--symlink", os.readlink(p), str(p)]
             elif p.is_dir():
                 cmd += [ro, str(p), str(p)]
-        size = str(self.scratch_mb << 20)
         # first: an environment or a model cache under /tmp is bound in over it, not hidden under it
         cmd += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
         made: set[Path] = set()
@@ -422,7 +618,10 @@ class Sandbox:
         for name in ETC:
             cmd += bind(f"/etc/{name}", Path("/etc") / name, "--ro-bind-try")
         for p in _python_paths():
-            cmd += bind(p, p)
+            if p != Path("/usr") and Path("/usr") not in p.parents:  # (/usr is bound above)
+                cmd += bind(p, p)
+        for real, seen in _python_aliases():  # a linked .venv's spelling too
+            cmd += bind(real, seen)
         for hook in _package_hooks():  # the editable install's way back to the repository, emptied
             cmd += [ro, "/dev/null", str(hook)]
         for model in _model_dirs():
@@ -430,8 +629,10 @@ class Sandbox:
         if self.edition is not None:
             cmd += bind(Path(self.edition).resolve(), EDITION)
         cmd += ["--perms", "0777", "--size", size, "--tmpfs", str(WORK)]
-        if self.io:
-            cmd += ["--bind", str(self.scratch), str(IO)]
+        for inside, host in sorted(self.files.items()):  # single files, read-only
+            cmd += bind(Path(host).resolve(strict=True), Path(inside))
+        if self.io:  # read-only: a sandbox hands nothing back through a host folder
+            cmd += bind(self.scratch, IO)
         for dev in sorted(Path("/dev").glob("nvidia*")) + sorted(Path("/dev/dri").glob("*")):  # a GPU, if any
             cmd += ["--dev-bind", str(dev), str(dev)]
         cmd += ["--chdir", str(WORK), "--clearenv"]
@@ -443,7 +644,22 @@ class Sandbox:
             cmd += [shutil.which("setpriv"), f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
                     "--inh-caps=-all", "--bounding-set=-all", "--"]
         join = self._join_cgroup()  # first: it decides whether RLIMIT_NPROC is needed
-        return join + cmd + self.limits() + list(argv)
+        return join + self._deadline() + cmd + self.limits() + list(argv)
+
+    def _over_budget(self) -> list[str] | None:
+        """The command a sandbox runs once its submission's budget is spent: one line on stderr, exit 125."""
+        if self.budget is None or self.budget.check() is None:
+            return None
+        return ["/bin/sh", "-c", 'echo "$1" >&2; exit 125', "tinypaged-budget", f"refused: {self.budget.exceeded}"]
+
+    def _deadline(self) -> list[str]:
+        """``timeout`` at the submission phase's deadline (SIGKILL): the wall-clock ceiling holds even where no
+        cgroup lets the budget's watchdog kill the group."""
+        left = self.budget.remaining() if self.budget is not None else None
+        tool = shutil.which("timeout") or shutil.which("timeout", path="/usr/bin:/bin")
+        if left is None or tool is None:
+            return []
+        return [tool, "--signal=KILL", f"{max(left, 1.0):.0f}"]
 
     def popen_env(self) -> dict | None:
         """The environment for ``subprocess`` (bwrap sets its own inside; unsafe runs get the same one)."""

@@ -4,15 +4,20 @@
    (:func:`~tinypaged.course.grading.notebook.module_cells`); the submission's metadata, its added
    cells and everything its kernel printed play no part.
 2. That code is read (:mod:`~tinypaged.course.grading.scan`, the strict rules for solution cells) and
-   then imported as a module in a fresh, sandboxed process that runs every check call of the source's
-   test cells, hidden seeds included (:mod:`~tinypaged.course.grading.evidence`).
-3. Here, in the grader's process, the expected results are computed from the package's references (or,
-   for the serving checks, transformers) and compared with what the probe observed (``checks.judge``).
+   then imported as a module in a fresh, sandboxed process (:mod:`~tinypaged.course.grading.evidence`).
+3. Here the judge draws every check call's cases (:func:`build_job`; hidden ones from :func:`effective_seed`,
+   a keyed digest of the notebook's seed), sends them to that process one call at a time as data
+   (:mod:`~tinypaged.course.grading.wire`), computes the expected results from the package's references (or,
+   for the serving checks, transformers or the package's engine) and compares them with what the probe
+   observed (``checks.judge``).
 
-Only each case's *steps* cross from the sandbox (with the case's ``todo``/``error`` state and its replay
-note): a record's other claims (``reuse``, a verdict, ``finished``) are ignored, a step value must be plain
-JSON data (numbers, strings, lists, dicts; NaN and inf become strings, so they never equal a number), and a
-record that is malformed or larger than :data:`MAX_RECORD_CHARS` scores 0 for its check with the reason.
+Only each case's *steps* cross from the sandbox (with the case's ``todo``/``error`` state and, for a visible
+case, its replay note): a record's other claims (``reuse``, a verdict, ``finished``) are ignored, a step value
+must be plain JSON data (numbers, strings, lists, dicts; NaN and inf become strings, so they never equal a
+number), and a record that is malformed or larger than :data:`MAX_RECORD_CHARS` scores 0 for its check with
+the reason. An exception the sandbox reports is named by its class when that is one of Python's own, never by
+its message (:func:`judge_error_text`). A serving check earns its points only when the checks of the parts it
+runs pass in full (:func:`_gate_serving`): tokens alone could be produced without the learner's parts.
 
 Then: a check whose target a solution cell wrote with the package's reference implementation scores 0
 (read in the code here, in the grader's process); every test cell after a solution
@@ -105,9 +110,10 @@ def trusted_record(record, check: str, hidden: int | None, cases: int) -> dict:
         out = {"steps": [[_plain_data(d, budget), _plain_data(v, budget)] for d, v in steps]}
         if o.get("todo") is True:
             out["todo"] = True
-        for key, limit in (("error", 400), ("note", checks.MAX_NOTE)):
-            if isinstance(o.get(key), str):
-                out[key] = o[key][:limit]
+        if isinstance(o.get("error"), str):
+            out["error"] = judge_error_text(o["error"])
+        if isinstance(o.get("note"), str):
+            out["note"] = o["note"][:checks.MAX_NOTE]
         clean.append(out)
     return {"check": check, "hidden": hidden, "outcomes": clean, "reuse": None}
 
@@ -140,6 +146,70 @@ def trusted_evidence(job: dict, evidence) -> dict:
             k["case"] = None
     strings = {name: [r for r in ev.get(name, []) if isinstance(r, str)] for name in ("refused", "threads")}
     return {"records": records, "cells": cell_res, "kills": kills, **strings}
+
+
+HARNESS_ERRORS = ("the observed values are not plain data", "NameError")
+
+
+def judge_error_text(text) -> str:
+    """What feedback says of an exception the sandbox reported: the class's name when it is one of Python's own
+    exceptions (``IndexError``), else that the code raised a class of its own; never the message, which is text
+    the sandbox made (a submission could put anything there, hidden inputs included)."""
+    import builtins
+
+    if not isinstance(text, str):
+        return "an exception"
+    if text in HARNESS_ERRORS:
+        return text
+    name = text.split(":", 1)[0].strip()
+    cls = getattr(builtins, name, None) if name.isidentifier() else None
+    if isinstance(cls, type) and issubclass(cls, BaseException):
+        return name
+    return "an exception of a class your code defines" if name.isidentifier() else "an exception"
+
+
+def _gate_serving(tests: list[dict]) -> None:
+    """A serving check (its expectation computed by the judge, e.g. transformers' tokens) earns its points only
+    when every check of the parts it runs passed in full: what a served run observes (tokens) can be produced
+    in the sandbox without the learner's parts, so forging it gains nothing."""
+    verdicts = [v for t in tests for v in t["checks"]]
+    for t in tests:
+        changed = False
+        for v in t["checks"]:
+            try:
+                c = checks.get(v["check"])
+            except KeyError:
+                continue
+            if c.expected is None or v["passed"] <= 0:
+                continue
+            units = [u for u in verdicts if u is not v and _is_unit_of(u, c)]
+            failing = sorted({u["check"] for u in units if u["status"] != checks.PASS})
+            if failing:
+                v.update(passed=0.0, status=checks.FAIL,
+                         message=f"earns its points once {', '.join(failing)} pass(es) in full")
+                changed = True
+        if changed:
+            _rescore(t)
+
+
+def _is_unit_of(u: dict, serving: "checks.Check") -> bool:
+    try:
+        c = checks.get(u["check"])
+    except KeyError:
+        return False
+    return c.expected is None and c.stage == serving.stage and c.target in serving.targets
+
+
+def _rescore(row: dict) -> None:
+    passed = sum(v["passed"] for v in row["checks"])
+    total = sum(v["total"] for v in row["checks"])
+    row["score"] = round(row["points"] * passed / total, 2) if total else 0.0
+    statuses = [v["status"] for v in row["checks"]]
+    row["status"] = checks.PASS if statuses and all(s == checks.PASS for s in statuses) else checks.FAIL
+    first = next((v for v in row["checks"] if v["status"] != checks.PASS), None)
+    if first is not None:
+        where = " (hidden cases)" if first.get("hidden") is not None else ""
+        row["message"] = f"{first['check']}{where}: {first['message']}"
 
 
 def nbk_code(source: str) -> str:
@@ -175,14 +245,72 @@ def expected_calls(source: str) -> list[tuple[str, int | None]]:
     return [(name, hidden) for name, _, hidden in check_calls(source)]
 
 
+KEY_ENV = "TINYPAGED_GRADER_KEY"  # hex: the judge's key for hidden seeds (default: a file in the grader's cache)
+
+
+def grader_key() -> bytes:
+    """The judge's secret for hidden seeds: ``$TINYPAGED_GRADER_KEY`` (hex), else 32 random bytes made once and
+    kept in the grader's cache, readable by its owner only (no sandbox binds that folder, and a sandbox runs as
+    another user). The same key gives the same hidden cases every time a class is graded on this machine."""
+    import os
+    import secrets
+
+    if os.environ.get(KEY_ENV):
+        return bytes.fromhex(os.environ[KEY_ENV])
+    from tinypaged.course.grading.sandbox import grader_cache
+
+    path = grader_cache() / "hidden-seed-key"
+    if not path.exists():  # made whole, then linked into place: a second grader reads the first one's key
+        tmp = path.with_name(f".hidden-seed-key-{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return bytes.fromhex(f.read().strip())
+
+
+def effective_seed(seed: int, key: bytes | None = None) -> int:
+    """The seed the judge draws a hidden check's cases from: a keyed digest of the notebook's seed (56 bits). What
+    a sandbox sees of hidden cases is derived from this number, which reveals nothing of the notebook's seed
+    without the key; ``check(name, impl, hidden=effective_seed(...))`` in the full package replays the same
+    cases (the instructor's report gives it)."""
+    import hashlib
+    import hmac
+
+    digest = hmac.new(grader_key() if key is None else key, str(int(seed)).encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:7], "big")
+
+
 def build_job(source_nb: dict, submission_nb: dict, stage: str, cell_cpu: int = 120, check_cpu: int = 300,
-              serving_cpu: int | None = None) -> dict:
+              serving_cpu: int | None = None, key: bytes | None = None) -> dict:
+    """The judge's job: the module's cells and, per check call of the source's test cells, the cases the judge
+    drew (hidden ones from :func:`effective_seed`), each encoded for the sandbox (:mod:`~.wire`). Visible calls
+    come first, so no value of a hidden case exists in the sandbox while a visible case's result (shown in the
+    feedback) is recorded. ``hidden`` is the effective seed; ``notebook_seed`` the one the notebook names (both
+    stay here: :func:`~tinypaged.course.grading.evidence.sandbox_job` is what the sandbox gets)."""
+    from tinypaged.course.grading import wire
+
     calls = []
     for i, cell in enumerate(source_nb["cells"]):
         if nbk.is_test(cell):
             for n, (name, target, hidden) in enumerate(check_calls(nbk.source_of(cell))):
+                seed = effective_seed(hidden, key) if hidden is not None else None
+                try:
+                    c = checks.get(name)
+                except KeyError:
+                    c = None
                 calls.append({"key": f"{nbk.grade_id(cell)}/{n}", "grade_id": nbk.grade_id(cell), "cell": i,
-                              "check": name, "target": target, "hidden": hidden})
+                              "check": name, "target": target, "hidden": seed, "notebook_seed": hidden,
+                              "serving": c is not None and c.expected is not None,
+                              "cases": [wire.encode_case(c.target, case) for case in c.cases(seed)] if c else []})
+    calls.sort(key=lambda c: c["hidden"] is not None)
     job = {"stage": stage, "cells": nbk.module_cells(source_nb, submission_nb), "calls": calls,
            "cell_cpu": cell_cpu, "check_cpu": check_cpu}
     if serving_cpu is not None:  # else the probe's SERVING_CPU
@@ -191,11 +319,16 @@ def build_job(source_nb: dict, submission_nb: dict, stage: str, cell_cpu: int = 
 
 
 def grade(source_nb: dict, submission_nb: dict, stage: str, make_sandbox, cell_cpu: int = 120,
-          check_cpu: int = 300, idle_s: float = 120.0, serving_cpu: int | None = None) -> dict:
-    """The grade report of one submission (see the module docstring)."""
+          check_cpu: int = 300, idle_s: float = 120.0, serving_cpu: int | None = None,
+          total_wall: float | None = None) -> dict:
+    """The grade report of one submission (see the module docstring). ``total_wall``: the wall-clock ceiling of
+    its checks, all probes together (default: :data:`~tinypaged.course.grading.evidence.SUBMISSION_WALL`, or less
+    when the budgets add up to less)."""
     from tinypaged.course.grading.evidence import gather
 
     job = build_job(source_nb, submission_nb, stage, cell_cpu, check_cpu, serving_cpu)
+    if total_wall is not None:
+        job["total_wall"] = float(total_wall)
     findings = scan_notebook([(c["index"], c["source"], c["learner"]) for c in job["cells"]])
     evidence = gather(job, make_sandbox, idle_s) if job["calls"] else \
         {"records": {}, "cells": {}, "kills": [], "refused": [], "threads": []}
@@ -223,10 +356,11 @@ def score(source_nb: dict, job: dict, findings, evidence: dict) -> dict:
         if nbk.is_test(cell):
             calls = [c for c in job["calls"] if c["cell"] == i]
             tests.append(_score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_msg, reuse))
+    _gate_serving(tests)
     manual = [{"grade_id": nbk.grade_id(c), "cell": i, "points": nbk.points(c)}
               for i, c in enumerate(source_nb["cells"]) if nbk.is_manual(c)]
     errors = [{"cell": int(i), "grade_id": next((c["grade_id"] for c in job["cells"] if c["index"] == int(i)), None),
-               "error": r["error"]} for i, r in sorted(evidence["cells"].items(), key=lambda kv: int(kv[0]))
+               "error": judge_error_text(r["error"])} for i, r in sorted(evidence["cells"].items(), key=lambda kv: int(kv[0]))
               if r.get("error") and any(c["learner"] and c["index"] == int(i) for c in job["cells"])]
     counted = {id(f) for v in reuse.values() for f in v}
     rows = [dict(kind=f.kind, cell=f.cell, line=f.line, what=f.what, checks=list(f.checks),
@@ -335,18 +469,16 @@ def _score_cell(i, cell, calls, evidence, kills, cell_kill, tamper_at, tamper_ms
 
 
 def _learner_safe(c, record: dict, hidden: int | None, v: dict) -> dict:
-    """A failed hidden check's message names the case by its number, with the case's hint and the replay note
-    the learner's own run attached: never its inputs or the expected values (those stay in ``detail``, for the
-    instructor's JSON report only)."""
+    """A failed hidden check's message names the case by its number, with the case's hint: never its inputs, the
+    expected values or any text the sandbox made (those stay in ``detail``, for the instructor's JSON report
+    only, with the effective seed that replays the case in the full package)."""
     if hidden is None or v["status"] != checks.FAIL or not v.get("message"):
         return v
     got = record["outcomes"]
     for n, (case, want) in enumerate(zip(c.cases(hidden), checks.expected_outcomes(c.name, hidden))):
         if not checks.compare_case(want, got[n] if n < len(got) else None, case.tol)[0]:
-            note = got[n].get("note", "") if n < len(got) else ""
-            v["detail"] = v["message"]
-            v["message"] = f"hidden case {n + 1}: FAIL" + (f" ({case.hint})" if case.hint else "") + \
-                (f"; {note}" if note else "")
+            v["detail"] = v["message"]  # the instructor's JSON report only
+            v["message"] = f"hidden case {n + 1}: FAIL" + (f" ({case.hint})" if case.hint else "")
             break
     return v
 
