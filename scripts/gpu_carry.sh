@@ -20,7 +20,8 @@
 #       without a step here in between (the machine is given back after about 30 s idle).
 # There (each run, the same command):
 #   scripts/gpu_carry.sh join [DEST]
-#       take every staged part whose checksum is right into $GPU_CARRY_DIR/received/ (a corrupted one is
+#       take every staged part whose checksum is right into $GPU_CARRY_STATE/received/ (default
+#       /tmp/tinypaged-gpu-carry, outside the working tree; $GPU_CARRY_DIR when that is set) (a corrupted one is
 #       refused and named), then, once all are there, join them, check the whole, and unpack into DEST
 #       (default $TINYPAGED_CACHE, else ~/.cache/tinypaged: the folder the engine reads). Idempotent and
 #       resumable: a part already received is not needed again; a finished join is not redone.
@@ -33,6 +34,9 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CARRY="${GPU_CARRY_DIR:-$ROOT/build/gpu-carry}"
+# Where the far side keeps what it received between runs: outside the working tree (the GPU machine removes
+# untracked folders that a call does not carry), unless GPU_CARRY_DIR names a folder (the tests do).
+STATE="${GPU_CARRY_STATE:-$([[ -n ${GPU_CARRY_DIR:-} ]] && echo "$CARRY" || echo /tmp/tinypaged-gpu-carry)}"
 PY="${GPU_CARRY_PYTHON:-python3}"
 SMOL_NAME=smollm2-135m-instruct
 FORMAT="gpu-carry 1"
@@ -153,7 +157,7 @@ part_ok() {  # part_ok FILE K MANIFEST: right size and checksum?
 }
 
 receive() {  # take the staged parts in; exit 2 after naming any corrupted one
-    local recv="$CARRY/received" bad=()
+    local recv="$STATE/received" bad=()
     mkdir -p "$recv"
     local staged
     for staged in "$CARRY"/stage-*/MANIFEST; do
@@ -188,7 +192,7 @@ receive() {  # take the staged parts in; exit 2 after naming any corrupted one
 }
 
 missing_parts() {  # part numbers not (correctly) received; a damaged received part is dropped
-    local recv="$CARRY/received" k n
+    local recv="$STATE/received" k n
     n=$(field "$recv/MANIFEST" part | wc -l)
     for ((k = 1; k <= n; k++)); do
         local f; f="$recv/$(part_name "$k")"
@@ -200,7 +204,7 @@ missing_parts() {  # part numbers not (correctly) received; a damaged received p
 }
 
 cmd_status() {
-    local recv="$CARRY/received"
+    local recv="$STATE/received"
     [[ -f $recv/MANIFEST ]] || { echo "gpu_carry: nothing received yet in $recv"; return 0; }
     local n; n=$(field "$recv/MANIFEST" part | wc -l)
     local missing; missing=$(missing_parts | xargs)
@@ -241,7 +245,7 @@ install_smol() {  # install_smol UNPACKED DEST KIND: the converted folder into D
 cmd_join() {
     local dest=${1:-${TINYPAGED_CACHE:-$HOME/.cache/tinypaged}}
     receive
-    local recv="$CARRY/received"
+    local recv="$STATE/received"
     if [[ ! -f $recv/MANIFEST ]]; then
         EXIT=3 die "nothing received: carry $(realpath --relative-to="$ROOT" "$CARRY" 2>/dev/null || echo "$CARRY")/stage-1 (scripts/gpu_carry.sh stage all, here)"
     fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, here, the wheels a GPU box without package registries needs to run nbval (scripts/gpu_check.sh):
-# nbval, nbformat, ipykernel, ipywidgets and what they need, and gguf (scripts/gpu_carry.sh converts the
+# nbval, nbformat, ipykernel, ipywidgets, the server's packages and what they need, and gguf (scripts/gpu_carry.sh converts the
 # carried SmolLM2 GGUF there with it), for CPython 3.12 on manylinux x86_64, into .whl/ (git-ignored), with
 # .whl/requirements.txt naming them. gpu_check.sh installs them there, offline.
 #
@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-ROOTS=(nbval nbformat ipykernel ipywidgets gguf)
+# openai, fastapi, uvicorn, pydantic, starlette, msgspec: notebook 08 (the server and its official client) and
+# the engine core's messages; an H200 run without them failed 8 of notebook 08's 10 cells
+ROOTS=(nbval nbformat ipykernel ipywidgets gguf openai fastapi uvicorn pydantic starlette msgspec)
 GPU_HAS="attrs coverage iniconfig packaging pluggy psutil pygments pytest python-dateutil six typing-extensions pyyaml jinja2 markupsafe numpy tqdm ${GPU_HAS_EXTRA:-}"
 PYVER=${GPU_PYTHON_VERSION:-3.12}
 

@@ -185,9 +185,9 @@ def test_bfloat16(device):
 def test_fp32_is_compared_in_ieee_precision():
     """The fp32 tolerances (1e-4) assume IEEE fp32 on both sides; TF32 (a 10-bit mantissa) would need ~1e-2.
 
-    The kernel multiplies with broadcast products and tl.sum (no tl.dot, so no TF32), and torch's fp32
-    matmuls (the references, and the model in the lessons) must not have been switched to TF32 by any
-    import on the way here.
+    The kernel's tl.dot calls say input_precision="ieee" (test_the_graded_kernel_multiplies_with_tl_dot), and
+    torch's fp32 matmuls (the references, and the model in the lessons) must not have been switched to TF32 by
+    any import on the way here.
     """
     import transformers  # noqa: F401  (imported by the engine: it must not change the setting)
 
@@ -464,17 +464,81 @@ def test_reshape_and_cache_strided_key_and_value(device):
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
 
 
-def test_tile_keeps_a_tiles_products_bounded():
-    """TILE_N: a power of two, at most MAX_TILE_TOKENS, and [GROUP_PAD, TILE_N, HEAD_DIM] within TILE_ELEMENTS
-    (at that budget the compiled kernel keeps its tiles in registers without spilling on sm_90)."""
-    from tinypaged.kernels.paged_attention import MAX_TILE_TOKENS, TILE_ELEMENTS, _tile_tokens
+def test_tiles_are_padded_for_tl_dot():
+    """TILE_N: a power of two in [MIN_DOT, MAX_TILE_TOKENS], 64 keys for head_dim <= 128 and a K tile within
+    TILE_ELEMENTS; the query group and head_dim pad to powers of two >= MIN_DOT (16), which tl.dot needs on a GPU
+    (the interpreter would accept smaller tiles, so this is checked here)."""
+    from tinypaged.kernels.paged_attention import MAX_TILE_TOKENS, MIN_DOT, TILE_ELEMENTS, _padded, _tile_tokens
 
-    for group_pad in (1, 2, 4, 8, 16):
-        for head_dim in (16, 64, 128, 256):
-            tile = _tile_tokens(group_pad, head_dim)
-            assert tile & (tile - 1) == 0 and 1 <= tile <= MAX_TILE_TOKENS
-            assert group_pad * tile * head_dim <= TILE_ELEMENTS or tile == 1
-    assert _tile_tokens(4, 64) == 32  # SmolLM2: 9 query heads over 3 KV heads (padded to 4), head_dim 64
+    assert MIN_DOT == 16
+    for head_dim in (8, 16, 32, 64, 128, 256, 512, 1024):
+        dim_pad = _padded(head_dim)
+        assert dim_pad == max(16, head_dim)
+        tile = _tile_tokens(dim_pad)
+        assert tile & (tile - 1) == 0 and MIN_DOT <= tile <= MAX_TILE_TOKENS
+        assert tile * dim_pad <= TILE_ELEMENTS or tile == MIN_DOT
+    assert [_tile_tokens(_padded(d)) for d in (64, 128, 256)] == [64, 64, 32]
+    assert [_padded(g) for g in (1, 3, 4, 9, 16, 17)] == [16, 16, 16, 16, 16, 32]
+
+
+def test_launcher_gives_the_kernel_tiles_of_at_least_16(device, monkeypatch):
+    """What the launcher passes to the kernel, for shapes below 16 (1 query head per KV head, head_dim 8)."""
+    from tinypaged.kernels import paged_attention as pa
+
+    seen = []
+    kernel = pa.paged_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                seen.append(meta)
+                return kernel[grid](*args, **meta)
+            return launch
+
+    monkeypatch.setattr(pa, "paged_attention_kernel", Spy())
+    args = make_paged_batch([5, 19], 3, 3, 8, 4, torch.float32, device)
+    assert_close(pa.paged_attention_decode(*args, 0.3, num_splits=2), paged_attention_reference(*args, 0.3),
+                 torch.float32)
+    (meta,) = seen
+    assert (meta["QUERIES_PER_KV"], meta["GROUP_PAD"], meta["HEAD_DIM"], meta["DIM_PAD"]) == (1, 16, 8, 16)
+    assert meta["TILE_N"] == 64
+
+
+# Shapes under tl.dot's 16: head_dim 8, and 1..8 query heads per KV head (padded to 16 rows).
+@pytest.mark.parametrize("group", range(1, 9))
+def test_small_head_dim_and_groups_match_reference(group, device):
+    dtype = torch.float64 if group % 4 == 0 else torch.float32   # fp64 for groups 4 and 8 (the exact engine tests)
+    args = make_paged_batch([1, 13, 40], 2 * group, 2, 8, 8, dtype, device, seed=group)
+    expected = paged_attention_reference(*args, 8 ** -0.5)
+    for num_splits in (1, 3):
+        assert_close(paged_attention_decode(*args, 8 ** -0.5, num_splits=num_splits), expected, dtype)
+
+
+def test_the_graded_kernel_multiplies_with_tl_dot():
+    """Stage 5 teaches the fast kernel: both reductions of a tile are tl.dot (tensor cores on a GPU), scores
+    q @ k^T and values p @ v, with IEEE float32 products; the broadcast-and-sum form (tl.sum over a
+    [GROUP_PAD, TILE_N, HEAD_DIM] product, 15% of a device copy on an H200) is gone. The package's kernel is
+    the solution's graded cell (tests/test_one_engine.py), so this holds for both."""
+    import ast
+    import inspect
+
+    from tinypaged.kernels import paged_attention as pa
+
+    tree = ast.parse(inspect.getsource(pa))
+    kernel = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "paged_attention_kernel")
+    loop = next(n for n in ast.walk(kernel) if isinstance(n, ast.For))
+
+    def calls(node, name):
+        return [c for c in ast.walk(node) if isinstance(c, ast.Call) and ast.unparse(c.func) == name]
+
+    dots = calls(loop, "tl.dot")
+    assert [ast.unparse(c.args[1]) for c in dots] == ["tl.trans(k)", "v"], [ast.unparse(c) for c in dots]
+    assert ast.unparse(dots[0].args[0]) == "q" and ast.unparse(dots[1].args[0]).startswith("p")
+    for c in dots:
+        assert {k.arg: ast.unparse(k.value) for k in c.keywords}.get("input_precision") == "'ieee'"
+    for c in calls(kernel, "tl.sum"):   # only row sums of p remain: no reduction of a broadcast product
+        assert not any(isinstance(n, ast.BinOp) for n in ast.walk(c.args[0])), ast.unparse(c)
+    assert not any(three_d in ast.unparse(loop) for three_d in ("[None, :, :]", "[:, None, :]", "[:, :, None]"))
 
 
 @pytest.mark.parametrize("module, kernel, check", [
