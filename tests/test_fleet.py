@@ -166,3 +166,16 @@ def test_stop_leaves_no_process(fleet):
     assert not [p for p in pids if _running(p)]
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(fleet.url + "/readiness", timeout=2)
+
+
+def test_the_start_up_message_gives_one_request_to_try():
+    """``fleet`` prints a curl command for one completion through the router, under the name the replicas serve."""
+    url = "http://127.0.0.1:8000"
+    line = fleet_mod.example_request(url, "tiny")
+    assert line.startswith(f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '")
+    body = json.loads(line.split(" -d '", 1)[1].rstrip("'"))
+    assert body["model"] == "tiny" and body["prompt"] and body["max_tokens"] > 0
+    for args in (["--served-model-name", "mine"], ["--served-model-name=mine"]):
+        assert json.loads(fleet_mod.example_request(url, "tiny", args).split(" -d '", 1)[1].rstrip("'"))["model"] == "mine"
+    import inspect
+    assert "example_request(fleet.url" in inspect.getsource(fleet_mod.run)

@@ -2,9 +2,12 @@
 
 Without a browser (the package-test step): the build gives one page per lesson and per doc, each lesson's page
 holds its prose, code, printed results and figures, the stored widget is drawn, no page loads anything from the
-network, and the build itself cannot reach the network. In Chromium (``scripts/browser_test.sh``):
+network, and the build itself cannot reach the network; no page's code shows an nbval marker, every stage of the
+landing page's table links its lesson's page, the landing page leads into stage 1 before set-up, and the build's
+tools live in build/site-venv (never the course's .venv). In Chromium (``scripts/browser_test.sh``):
 every page loads with no script error, every image is shown, every link inside the site leads to a page (and
-an anchor) that exists, no request leaves the site, and search finds the lessons.
+an anchor) that exists, no request leaves the site, search finds the lessons, and the landing page's tables fit
+a 1280-pixel window.
 """
 
 import html
@@ -102,6 +105,78 @@ def test_the_docs_and_the_landing_page(site):
     searchindex = (site / "searchindex.js").read_text()
     for nb_path in LESSONS:
         assert f'"notebooks/{nb_path.stem}"' in searchindex, f"{nb_path.name} is not in the search index"
+
+
+def test_no_page_shows_a_test_marker(site):
+    """nbval's markers (``# NBVAL_IGNORE_OUTPUT``, ``# NBVAL_SKIP``) tell the test suite how to compare a cell:
+    the rendered code leaves them out (conf.py's strip_test_markers), on every page."""
+    marked = [nb.name for nb in LESSONS if "# NBVAL_" in nb.read_text()]
+    assert marked, "no lesson has a marker any more: this test checks nothing"
+    marker = re.compile(r"^\s*#\s*NBVAL_[A-Z_]+\s*$", flags=re.M)
+    code_blocks = 0
+    for page in site.rglob("*.html"):
+        for block in re.findall(r"<pre\b.*?</pre>", page.read_text(), flags=re.S):
+            code_blocks += 1
+            shown = marker.search(html.unescape(re.sub(r"<[^>]+>", "", block)))
+            assert shown is None, f"{page.relative_to(site)} shows {shown.group(0).strip()!r} in its code"
+    assert code_blocks > 100
+    for nb_path in LESSONS:  # and no lesson's page holds one anywhere (the lessons' prose names none)
+        page = site / "notebooks" / f"{nb_path.stem}.html"
+        assert "NBVAL_" not in page_text(page), f"{page.name} shows an nbval marker"
+
+
+def test_test_markers_are_stripped_from_code_cells_only():
+    conf = load_conf()
+    assert conf.strip_test_markers("# NBVAL_IGNORE_OUTPUT\nimport os\nprint(1)\n") == "import os\nprint(1)\n"
+    assert conf.strip_test_markers(["# NBVAL_SKIP\n", "x = 1  # NBVAL_SKIP stays in a comment\n"]) == \
+        "x = 1  # NBVAL_SKIP stays in a comment\n"
+    assert conf.strip_test_markers("print('# NBVAL_SKIP')") == "print('# NBVAL_SKIP')"
+    nb = {"cells": [{"cell_type": "code", "source": ["# NBVAL_IGNORE_OUTPUT\n", "y = 2"], "metadata": {},
+                     "execution_count": 1, "outputs": []},
+                    {"cell_type": "markdown", "source": "# NBVAL_SKIP in prose is left alone", "metadata": {}}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    cells = json.loads(conf.offline_notebook(json.dumps(nb)))["cells"]
+    assert cells[0]["source"] == "y = 2" and cells[1]["source"] == "# NBVAL_SKIP in prose is left alone"
+
+
+def _landing_stage_rows(index_html):
+    """The landing page's stage table (its first table): {stage number: the hrefs in its row}."""
+    table = re.search(r"<table.*?</table>", index_html, flags=re.S).group(0)
+    rows = {}
+    for row in re.findall(r"<tr\b.*?</tr>", table, flags=re.S):
+        first = re.search(r"<td>(.*?)</td>", row, flags=re.S)
+        if first and re.sub(r"<[^>]+>", "", first.group(1)).strip().isdigit():
+            rows[int(re.sub(r"<[^>]+>", "", first.group(1)).strip())] = re.findall(r'href="([^"]+)"', row)
+    return rows
+
+
+def test_every_stage_in_the_landing_table_links_its_lesson_page(site):
+    rows = _landing_stage_rows((site / "index.html").read_text())
+    assert sorted(rows) == list(range(1, len(LESSONS) + 1)), f"stages in the landing table: {sorted(rows)}"
+    for nb_path in LESSONS:
+        stage = int(nb_path.stem[:2])
+        want = f"notebooks/{nb_path.stem}.html"
+        assert want in rows[stage], f"stage {stage}'s row does not link {want}: {rows[stage]}"
+        assert (site / want).is_file(), f"stage {stage} links {want}, which was not built"
+
+
+def test_the_landing_page_starts_the_reader_at_stage_1(site):
+    """After the title, the introduction and the stage table, the first section leads into stage 1 (set-up and
+    CI come after it)."""
+    index = (site / "index.html").read_text()
+    first_section = re.search(r"<h2>(.*?)<", index, flags=re.S).group(1).strip()
+    assert first_section == "Start here", f"the landing page's first section is {first_section!r}"
+    start = index.index("<h2>Start here")
+    section = index[start: index.index("<h2>", start + 4)]
+    assert 'href="notebooks/01_contiguous_kv_cache.html"' in section
+
+
+def test_the_site_build_never_installs_into_the_course_environment(site):
+    """Reading the course must not change the learner's environment: the site's tools live in build/site-venv."""
+    assert (ROOT / "build" / "site-venv" / ".tinypaged-site-installed").is_file()
+    assert not (ROOT / ".venv" / ".tinypaged-site-installed").exists(), "the site's tools were put into .venv"
+    script = (ROOT / "scripts" / "site.sh").read_text()
+    assert "venv=build/site-venv" in script and "venv=.venv\n" not in script
 
 
 def test_no_page_loads_anything_from_the_network(site):
@@ -208,6 +283,16 @@ def test_site_in_chromium(site):
             links += [(name, href) for href in hrefs]
             if name == "index.html":
                 tab.screenshot(path=str(out_dir / "site-index.png"))
+                tab.set_viewport_size({"width": 1280, "height": 900})  # the landing page's tables fit 1280 px
+                cut = tab.evaluate("() => Array.from(document.querySelectorAll('table')).map(t => [t, t.parentElement])"
+                                   ".filter(([t, box]) => box.scrollWidth > box.clientWidth + 1"
+                                   " || t.getBoundingClientRect().right > document.documentElement.clientWidth)"
+                                   ".map(([t]) => t.innerText.slice(0, 60))")
+                wide = tab.evaluate("() => document.documentElement.scrollWidth - document.documentElement.clientWidth")
+                tab.screenshot(path=str(out_dir / "site-index-1280.png"))
+                tab.set_viewport_size({"width": 1300, "height": 900})
+                assert not cut, f"tables cut at 1280 px on the landing page: {cut}"
+                assert wide <= 0, f"the landing page scrolls sideways at 1280 px ({wide} px)"
             if name.startswith("notebooks/04_"):
                 widget = tab.locator(".site-widget")
                 assert widget.count() == 1 and widget.locator("img").count() == 1, "lesson 4's stepper is not drawn"

@@ -93,3 +93,37 @@ def test_student_edition_hands_the_stream_over_and_closes_it_on_hang_up(monkeypa
         return first
 
     assert asyncio.run(hang_up_after_one()) == "data: 1\n\n" and closed == ["call"]
+
+
+def test_a_stream_that_copies_call_done_after_take_fails_showing_where_the_lines_differ():
+    """Rule 2's trap: ``was_done`` copied after ``call._take`` (which adds the finished choice) drops every
+    finish-only chunk. The lists of lines then differ in length; the message shows both around their first
+    difference (it used to cut both at the same 160 characters, where they were still equal)."""
+    source = inspect.getsource(streaming.sse_stream)
+    late = source.replace("            was_done = set(call.done)\n            c = call._take(prompt_idx, ev)\n",
+                          "            c = call._take(prompt_idx, ev)\n            was_done = set(call.done)\n")
+    assert late != source
+    scope = dict(vars(streaming))
+    exec(late, scope)
+    status, msg = checks.evaluate("sse_stream", scope["sse_stream"], detect=False)
+    assert status == checks.FAIL and "the stream's lines" in msg, msg
+    shown = msg.split("the stream's lines, in order (JSON of each data: line): ", 1)[1]
+    want, got = shown.removeprefix("expected ").split(", got ", 1)
+    got = got.split(" (", 1)[0]
+    assert want.startswith("...") and got.startswith("..."), msg  # cut before the shared beginning
+    assert want != got, f"the message hides the difference: {msg}"
+    assert '"[DONE]"]' in got and "items expected" in msg, msg
+
+
+def test_long_values_are_shown_around_their_first_difference():
+    same = [{"choices": [{"index": 0, "text": f"piece {i}"}]} for i in range(8)]
+    for want, got in ((same, same[:5] + same[6:]), (["x" * 40] * 6, ["x" * 40] * 5 + ["y" * 40]),
+                      ("a" * 400, "a" * 300 + "b" * 100)):
+        msg = checks.differ(want, got, 0)
+        assert msg is not None
+        head, tail = msg.rsplit(", got ", 1)
+        assert head.split("expected ", 1)[1] != tail.split(" (", 1)[0], msg
+        assert len(msg) < 2 * checks.MAX_SHOWN + 80, msg
+    # short values are shown whole, as before
+    assert checks.differ([1, 2], [1, 3], 0) == "expected [1, 2], got [1, 3]"
+    assert checks.differ({"freed": [1, 2]}, {"freed": [1]}, 0) == "at ['freed']: expected [1, 2], got [1]"

@@ -247,3 +247,21 @@ def test_every_policy_is_a_name_the_simulator_knows():
     trace = mixed_trace(40, rate=8.0, seed=2)
     for name in routing.POLICIES:
         assert sum(simulate_fleet(trace, name, 4).per_replica) == 40
+
+
+def test_a_router_that_bypasses_matched_fails_and_the_reference_passes(notebooks):
+    """``matched`` is the hook a precise router overrides (``PreciseRouter``: what the replicas' KV events say they
+    hold). A ``route`` that reads its trees itself routes the same in every other case; the case with a subclass
+    told what the replicas hold tells it apart."""
+    bypass = _variant("matched = [self.matched(r, key) for r in replicas]",
+                      "matched = [len(self.trees[r].match_prefix(key)[0]) for r in replicas]")
+    status, msg = checks.evaluate("cache_aware_router", bypass)
+    assert status == checks.FAIL and "route asks self.matched" in msg and "self.matched(r, key)" in msg, msg
+    reference = _variant("def route(", "def route(")  # the package's code, defined as a notebook defines it
+    assert checks.evaluate("cache_aware_router", reference)[0] == checks.PASS
+    solved, _ = notebooks
+    assert checks.evaluate("cache_aware_router", solved["CacheAwareRouter"])[0] == checks.PASS
+    # the told case is the only one the bypass fails: every other visible case routes on the trees alone
+    cases = checks.get("cache_aware_router").cases(None)
+    told = [c for c in cases if c.label.startswith("route asks self.matched")]
+    assert len(told) == 1

@@ -13,6 +13,10 @@ load JavaScript or CSS from a CDN are turned into plain HTML as the site is buil
   its Output area's text and drawing);
 - matplotlib's JavaScript animation (lesson 7): its frames are already inline; only its control icons came
   from a CDN stylesheet (Font Awesome), so they become characters.
+
+Code cells are shown without nbval's markers (``# NBVAL_IGNORE_OUTPUT``, ``# NBVAL_SKIP``, ...): they tell the test
+suite how to compare a cell's output, and mean nothing to a reader. The landing page's tables fit a 1280-pixel
+window (``site.css``: long names in code may wrap there).
 """
 
 import base64
@@ -42,6 +46,8 @@ html_permalinks_icon = "#"
 # Search works from a file opened in the browser (file://): a result's summary would be fetched from its page,
 # which browsers refuse for local files, so results are listed by title.
 html_show_search_summary = False
+html_static_path = ["static"]
+html_css_files = ["site.css"]
 
 # Sphinx's default "Non-consecutive header level" warnings come from the lessons' prose (a "###" under a "#"):
 # harmless for a web page.
@@ -108,11 +114,24 @@ def _animation_icon(m):
     return FA_CHARS.get(m.group(1), html.escape(m.group(1).removeprefix("fa-")))
 
 
+NBVAL_MARKER = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[ \t]*$")  # a line that only tells nbval what to do
+
+
+def strip_test_markers(source):
+    """A code cell's source without the lines that are nbval markers (what is left keeps its line breaks)."""
+    text = _text(source)
+    kept = [line for line in text.splitlines(keepends=True) if not NBVAL_MARKER.match(line.rstrip("\r\n"))]
+    return "".join(kept).lstrip("\n") if len(kept) < len(text.splitlines()) else text
+
+
 def offline_notebook(source):
-    """The notebook JSON ``source`` with its stored outputs made self-contained (see the module's docstring)."""
+    """The notebook JSON ``source`` with its stored outputs made self-contained and its code cells shown without
+    test markers (see the module's docstring)."""
     nb = json.loads(source)
     models = nb.get("metadata", {}).pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
     for cell in nb.get("cells", []):
+        if cell.get("cell_type") == "code":
+            cell["source"] = strip_test_markers(cell.get("source", ""))
         for out in cell.get("outputs", []):
             data = out.get("data")
             if not data:

@@ -36,8 +36,12 @@ What vllm-router 0.1.17 does, as checked here: ``cache_aware`` keeps its own pre
 (approximate: it never learns of evictions); ``kv_aware`` scores each replica by the prefix its KV events say it
 holds, and gets a request's token ids from a replica's ``POST /v1/completions/render`` (vLLM's render API, which
 ``tinypaged serve`` answers); with no cached prefix anywhere it picks the least loaded replica. A replica that
-dies fails its health check (every second here) and gets no more requests; a request already sent to it is
-retried on another.
+dies fails its health check (every second here) and gets no more requests. What happens to the requests it
+held: one the router had sent that fails before any answer came (the connection refused or reset) is retried on
+another replica; one whose answer was already under way (a stream that had sent chunks, a request the replica had
+taken) is cut: its client gets an error or a stream that ends without ``data: [DONE]``, and must retry it itself
+(the router cannot replay half a response). A hostile run (issue 48) cut 3 of 36 streams under way on a killed
+replica.
 """
 
 from __future__ import annotations
@@ -456,6 +460,18 @@ def add_arguments(ap) -> None:
                     help="one more vllm-router argument (repeat: --router-arg=--cache-threshold --router-arg=0.5)")
 
 
+def example_request(url: str, model: str, serve_args: list[str] = ()) -> str:
+    """A ``curl`` command for one completion through the router, under the name the replicas serve."""
+    name, args = model, list(serve_args)
+    for i, a in enumerate(args):
+        if a == "--served-model-name" and i + 1 < len(args):
+            name = args[i + 1]
+        elif a.startswith("--served-model-name="):
+            name = a.split("=", 1)[1]
+    body = json.dumps({"model": name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
 def run(args, serve_args: list[str]) -> int:
     """``python -m tinypaged fleet [fleet flags] [tinypaged serve flags]``: the unknown flags go to every replica."""
     fleet = Fleet(args.replicas, args.policy, args.model, serve_args, args.router_arg,
@@ -475,6 +491,8 @@ def run(args, serve_args: list[str]) -> int:
                   + (f", KV events on {rep.events_endpoint}" if rep.events_endpoint else ""), file=sys.stderr)
         print(f"fleet: vllm-router --policy {args.policy} on {fleet.url} (Ctrl-C stops everything)", file=sys.stderr,
               flush=True)
+        print(f"fleet: try one request (from another terminal):\n  {example_request(fleet.url, args.model, serve_args)}",
+              file=sys.stderr, flush=True)
         print(fleet.url, flush=True)
         return fleet.watch()
     finally:
