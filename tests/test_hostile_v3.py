@@ -20,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from served import metrics, wait_for_health
 
 from tinypaged import LLM
 from tinypaged.entrypoints import server as server_module
@@ -49,22 +50,10 @@ class Served:
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "tinypaged", "serve", *KNOBS, "--port", str(self.port)],
                                          stdout=subprocess.DEVNULL, stderr=err, env=env)
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the server never answered"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(self.proc, self.url, self.log)
 
     def metrics(self) -> dict:
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:") and "_bucket" not in line:
-                out[line.split("{")[0].split(" ")[0]] = float(line.rsplit(" ", 1)[1])
-        return out
+        return metrics(self.url)
 
     def idle(self) -> bool:
         m = self.metrics()

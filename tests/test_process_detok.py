@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from served import wait_for_health
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="signals")
 
@@ -46,15 +47,8 @@ class Serve:
                                          start_new_session=True)  # its engine core too: killed as a group
 
     def ready(self) -> "Serve":
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.log.read_text()
-            assert time.monotonic() < deadline, "the server never answered"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(self.proc, self.url, self.log)
+        return self
 
     def post(self, body: dict) -> dict:
         r = httpx.post(self.url + "/v1/completions", json={"max_tokens": 16, **body}, timeout=120)

@@ -20,6 +20,7 @@ import time
 
 import httpx
 import pytest
+from served import metrics, wait_for_health
 
 from tinypaged import LLM, SamplingParams
 
@@ -79,15 +80,7 @@ class Served:
             self.ready()
 
     def ready(self) -> "Served":
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.stderr()
-            assert time.monotonic() < deadline, "the server never answered"
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_for_health(self.proc, self.url, self.log)
         (self.core,) = children(self.proc.pid)
         return self
 
@@ -95,11 +88,7 @@ class Served:
         return self.log.read_text()
 
     def metrics(self) -> dict:
-        out = {}
-        for line in httpx.get(self.url + "/metrics", timeout=30).text.splitlines():
-            if line.startswith("vllm:") and "_bucket" not in line:
-                out[line.split("{")[0].split(" ")[0]] = float(line.rsplit(" ", 1)[1])
-        return out
+        return metrics(self.url)
 
     def wait_idle(self) -> dict:
         deadline = time.monotonic() + 60
