@@ -18,7 +18,7 @@ from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, Clea
 
 from tinypaged.course.coursework import sanitize_html
 from tinypaged.course.grading.nbgrader_verify import (CompareGivenCells, RecordFindings, SandboxedExecute,
-                                                      VerifyChecks, seal_nbgrader)
+                                                      SanitizeForFeedback, VerifyChecks, seal_nbgrader)
 
 # autograde and generate_feedback copy nothing but the notebooks (nbgrader copies every other file of a
 # submission folder, following links); a folder holding a link or any other file is refused (FLAGGED, 0, named);
@@ -66,8 +66,9 @@ c.Autograde.autograde_preprocessors = [
 ]
 # `nbgrader generate_feedback`: the learner never sees the hidden tests' code (their seeds); the verdicts in the
 # test cells name a failing hidden case by its number, with the visible hint only (tinypaged.course.grading.verify).
-c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, CSSHTMLHeaderPreprocessor]
-# ... and a learner's <script>, event handlers and javascript: links never reach it (nh3)
+# ... and a learner's <script>, event handlers and javascript: links never reach it (nh3): SanitizeForFeedback cleans
+# markdown cells and HTML outputs (nbgrader's feedback template renders markdown without clean_html)
+c.GenerateFeedback.preprocessors = [GetGrades, ClearHiddenTests, SanitizeForFeedback, CSSHTMLHeaderPreprocessor]
 c.HTMLExporter.sanitize_html = True
 c.HTMLExporter.filters = {"clean_html": sanitize_html}
 # `nbgrader export`: automatic and written points apart, a status and the findings line per submission.

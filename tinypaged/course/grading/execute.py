@@ -294,7 +294,9 @@ def run_notebook(nb: dict, make_sandbox, cell_timeout: int = 600, total_timeout:
     ``make_sandbox(scratch)`` gives the :class:`~tinypaged.course.grading.sandbox.Sandbox` (the kernel's
     working directory is its private tmpfs; ``scratch`` is the grader's own and is never bound writable); it
     imports the student edition of ``stage`` (the stage being graded; default: the stage in ``nb``'s metadata,
-    which callers set from the instructor's source). The notebook goes in on stdin and comes back as frames (see
+    which callers set from the instructor's source). Every ``### BEGIN HIDDEN TESTS`` region is cut out first: the
+    feedback kernel is the learner's, and a hidden test's seed in it could be printed into the feedback (the judge
+    grades hidden cases itself, :mod:`~tinypaged.course.grading.verify`). The notebook goes in on stdin and comes back as frames (see
     the module docstring); ``total_timeout`` (wall seconds) stops the whole run, as does the box's submission
     budget. Cells never reached get a ``NotRun`` error, and ``metadata.tinypaged.stopped`` says why.
     """
@@ -304,7 +306,7 @@ def run_notebook(nb: dict, make_sandbox, cell_timeout: int = 600, total_timeout:
     from tinypaged.course.grading.sandbox import edition_for_stage
 
     nonce = secrets.token_hex(16)
-    nb = joined(nb)
+    nb = nbk.without_hidden_tests(joined(nb))  # the kernel never holds a hidden test (the judge runs those)
     with tempfile.TemporaryDirectory(prefix="tinypaged-run-") as tmp:
         box = make_sandbox(Path(tmp))
         stage = stage or nbk.stage_of(nb)

@@ -61,17 +61,9 @@ TAMPERED = "tampered"  # metadata.tinypaged.tampered: [{"grade_id", "what"}], wr
 def released_source(source: str) -> str:
     """A locked cell's code as generate_assignment released it: the hidden-tests region removed (as nbgrader's
     ClearHiddenTests does, line by line)."""
-    from tinypaged.course.grading.notebook import BEGIN_HIDDEN, END_HIDDEN
+    from tinypaged.course.grading.notebook import strip_hidden
 
-    out, inside = [], False
-    for line in source.split("\n"):
-        if BEGIN_HIDDEN in line:
-            inside = True
-        elif END_HIDDEN in line:
-            inside = False
-        elif not inside:
-            out.append(line)
-    return "\n".join(out)
+    return strip_hidden(source)
 
 
 def _same_code(a: str, b: str) -> bool:
@@ -520,6 +512,41 @@ class SealedAutograde(_NotebooksOnly, Autograde):
                 self.log.error("tinypaged: could not record the failure: %s", db_error)
             self.log.error("tinypaged: %s: %s", ids["student"], line)
             raise
+
+
+class SanitizeForFeedback(NbGraderPreprocessor):
+    """Before ``generate_feedback`` renders a notebook: each markdown cell becomes its own HTML, cleaned
+    (:func:`tinypaged.course.coursework.sanitize_html`, nh3), and every HTML, SVG or markdown output is cleaned the
+    same way; JavaScript outputs are dropped. nbgrader's feedback template renders markdown without nbconvert's
+    ``clean_html``, so a learner's ``<script>``, event handler or ``javascript:`` link would otherwise run in the
+    page the learner (or an instructor) opens."""
+
+    def preprocess(self, nb, resources):
+        from nbconvert.filters.markdown import markdown2html
+
+        from tinypaged.course.coursework import sanitize_html
+
+        for cell in nb.cells:
+            if cell.cell_type == "markdown":
+                cell.source = sanitize_html(markdown2html(cell.source))
+                cell.pop("attachments", None)
+            elif cell.cell_type == "raw":
+                cell.source = sanitize_html(cell.source)
+            for out in cell.get("outputs", []):
+                data = out.get("data")
+                if not data:
+                    continue
+                for mime in list(data):
+                    if "javascript" in mime or mime.startswith("application/vnd.jupyter.widget"):
+                        del data[mime]
+                    elif mime in ("text/html", "image/svg+xml"):
+                        text = data[mime] if isinstance(data[mime], str) else "".join(data[mime])
+                        data[mime] = sanitize_html(text)
+                    elif mime == "text/markdown":
+                        text = data[mime] if isinstance(data[mime], str) else "".join(data[mime])
+                        data["text/html"] = sanitize_html(markdown2html(text))
+                        del data[mime]
+        return nb, resources
 
 
 class SealedFeedback(_NotebooksOnly, GenerateFeedback):

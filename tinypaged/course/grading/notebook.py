@@ -141,6 +141,29 @@ def role(cell) -> str | None:
     return cell.get("metadata", {}).get("tinypaged", {}).get("role")
 
 
+def strip_hidden(source: str) -> str:
+    """A cell's code with every hidden-tests region removed, marker lines included (as nbgrader's
+    ``ClearHiddenTests`` releases it, line by line)."""
+    out, inside = [], False
+    for line in source.split("\n"):
+        if BEGIN_HIDDEN in line:
+            inside = True
+        elif END_HIDDEN in line:
+            inside = False
+        elif not inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def without_hidden_tests(nb: dict) -> dict:
+    """A copy of ``nb`` whose cells hold no hidden-tests region (what a learner's kernel may be given)."""
+    out = copy.deepcopy(nb)
+    for cell in out.get("cells", []):
+        if isinstance(cell, dict) and (BEGIN_HIDDEN in source_of(cell) or END_HIDDEN in source_of(cell)):
+            cell["source"] = strip_hidden(source_of(cell))
+    return out
+
+
 def assemble(source_nb: dict, submission_nb: dict) -> dict:
     """The notebook to execute: the submission's order and solution cells, the instructor's everything else.
 
