@@ -138,7 +138,9 @@ def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch
         return run(True, dtype="float32", **kw)[:2], calls
 
     (tokens, logits), calls = counted_run(True)
-    assert calls["decode_layers"] > 0 and calls["decode_attention"] == 0  # every step one call, chunks included
+    # every step one call, chunks included; on an Intel CPU with MKL, steps of at most GEMV_ROWS rows go layer by
+    # layer (their products take MKL's matrix-vector route, which the one call does not use)
+    assert calls["decode_layers"] > 0 and (calls["decode_attention"] == 0 or fused.GEMV_ROWS > 0), calls
     (layered_tokens, layered_logits), calls = counted_run(False)
     assert calls["decode_layers"] == 0 and calls["decode_attention"] > 0 and calls["add_rms_norm"] > 0
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)

@@ -211,19 +211,20 @@ def test_a_cache_path_naming_a_file_is_one_clear_error(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["safetensors", "oserror"])
 def test_a_full_disk_while_saving_tiny_falls_back_to_memory_leaving_nothing(tmp_path, monkeypatch, kind):
-    import safetensors.torch
     from safetensors import SafetensorError
 
     from tinypaged.model import loader
 
-    def full(tensors, path, metadata=None):
-        open(path, "wb").close()  # what a full disk leaves: an empty file
+    def full(staging, seed):
+        (staging / "model.safetensors").write_bytes(b"")  # what a full disk leaves: an empty file
         if kind == "oserror":
             raise OSError(errno.ENOSPC, "No space left on device")
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
     monkeypatch.setenv("TINYPAGED_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    # the loader's own save step, not safetensors.torch.save_file: a module imported meanwhile (transformers'
+    # modeling_utils binds save_file at import) would keep the stand-in after the test
+    monkeypatch.setattr(loader, "_save_tiny", full)
     assert loader.tiny_folder(0) is None
     assert list((tmp_path / "cache").iterdir()) == []  # no partial entry, no lock file
 
