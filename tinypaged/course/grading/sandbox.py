@@ -6,9 +6,10 @@ read-only:
 * the system's programs and libraries (``/usr`` and its links, a few files of ``/etc``: never ``/etc/shadow``);
 * the Python installation and the environment's ``site-packages``, with the editable install's path hook of
   tinypaged masked (its finder and ``.pth`` files read as empty), so the repository's package is not found;
-* the **student edition** of the stage being graded (:mod:`tinypaged.course.student_edition`, built once per
-  stage and source tree and cached under the grader's cache, :func:`edition_for`): graded bodies are stubs that
-  call the learner's code, and it holds no expected values (``expected_visible.json`` is left out);
+* the grader's **student edition** of the stage being graded (:mod:`tinypaged.course.student_edition`, built once
+  per stage and source tree and cached under the grader's cache, :func:`edition_for`): every graded part of that
+  stage and of every later one is a stub that calls the learner's code, the references the checks name raise, and
+  it holds no expected values (``expected_visible.json`` is left out);
 * the converted model the serving checks load (a world-readable view of it when the cache keeps it private);
 * the GPU's device nodes, when there are any.
 
