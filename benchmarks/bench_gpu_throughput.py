@@ -1,6 +1,7 @@
 """The engine's speed on a GPU: tinypaged against transformers' ``generate_batch`` on the same device.
 
-    python benchmarks/bench_gpu_throughput.py             # SmolLM2-1.7B's shapes, bfloat16, CUDA (about a minute)
+    python benchmarks/bench_gpu_throughput.py             # SmolLM2-1.7B's shapes, bfloat16, CUDA (about a minute):
+                                                          # eager Triton, Triton with CUDA-graph decode, transformers
     python benchmarks/bench_gpu_throughput.py --small     # a tiny Llama, float32, on the CPU (the smoke test)
     ... --small --skip-hf                                 # seconds: transformers' manager alone takes about a
                                                           # minute to start and run on a CPU
@@ -81,13 +82,14 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
 
 # -- tinypaged ---------------------------------------------------------------------------------------
 class StepTimer:
-    """Wraps one engine's step, prepare and model forward (on the instance) to time each decode step."""
+    """Wraps one engine's step, the runner's prepare and its execute (on the instances) to time each decode step.
+    ``forward`` is execute minus prepare: the eager forward, or the copy into a CUDA graph's inputs and its replay."""
 
     def __init__(self, llm: LLM):
         engine = llm.llm_engine
         self.device, self.rows = engine.device, []
         runner = engine.runner
-        step, prepare, model = engine.step, runner.prepare, runner.model
+        step, prepare, execute = engine.step, runner.prepare, runner.execute
         current = {}
 
         def timed_prepare(scheduled):
@@ -96,12 +98,12 @@ class StepTimer:
             current["prepare"] = time.perf_counter() - t0
             return out
 
-        def timed_forward(*args, **kwargs):
+        def timed_execute(*args, **kwargs):
             sync(self.device)
             t0 = time.perf_counter()
-            out = model(*args, **kwargs)
+            out = execute(*args, **kwargs)
             sync(self.device)
-            current["forward"] = time.perf_counter() - t0
+            current["forward"] = time.perf_counter() - t0 - current.get("prepare", 0.0)
             return out
 
         def timed_step(*args, **kwargs):
@@ -111,12 +113,12 @@ class StepTimer:
             result = step(*args, **kwargs)
             sync(self.device)
             total = time.perf_counter() - t0
-            if result.scheduled and all(not s.is_prefill for s in result.scheduled):
+            if result.scheduled and all(not s.is_prefill for s in result.scheduled) and "forward" in current:
                 self.rows.append({"batch": len(result.scheduled), "step": total, "prepare": current["prepare"],
                                   "forward": current["forward"]})
             return result
 
-        engine.step, runner.prepare, runner.model = timed_step, timed_prepare, timed_forward
+        engine.step, runner.prepare, runner.execute = timed_step, timed_prepare, timed_execute
 
     def medians(self) -> dict:
         if not self.rows:
@@ -176,9 +178,14 @@ def forward_device_ms(llm: LLM, prompts, params, steps: int) -> dict:
 
 
 def run_tinypaged(folder: Path, prompts, out_len: int, batch: int, args, device, backend: str) -> dict:
+    """``backend``: an attention backend's name, "+graphs" after it for CUDA-graph decode (enforce_eager=False)."""
     longest = len(prompts[0]) + out_len
+    name, graphs = backend.removesuffix("+graphs"), backend.endswith("+graphs")
+    t_start = time.perf_counter()
     llm = LLM(str(folder), dtype=args.dtype, device=str(device), max_num_seqs=batch, block_size=16,
-              max_model_len=longest, kv_cache_tokens=batch * (longest + 16), attention_backend=backend)
+              max_model_len=longest, kv_cache_tokens=batch * (longest + 16), attention_backend=name,
+              enforce_eager=not graphs)
+    start_s = time.perf_counter() - t_start  # loading the weights, sizing the cache, capturing graphs
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(temperature=0, max_tokens=4,
                                                                                 ignore_eos=True))  # warm-up
@@ -192,8 +199,9 @@ def run_tinypaged(folder: Path, prompts, out_len: int, batch: int, args, device,
     timer = StepTimer(llm)  # a second, timed pass: the synchronisations would slow the first
     llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], params)
     row = {"system": f"tinypaged ({backend})", "batch": batch, "requests": len(prompts), "tokens": tokens,
-           "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps, "breakdown_ms": timer.medians()}
-    if device.type == "cuda" and not args.no_profile:
+           "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps, "breakdown_ms": timer.medians(),
+           "start_s": start_s}
+    if device.type == "cuda" and not args.no_profile and not graphs:
         try:
             row["breakdown_ms"].update(forward_device_ms(llm, prompts[:batch], params, steps=8))
         except Exception as e:  # the profiler is a measuring aid: its failure must not hide the throughput
@@ -202,6 +210,22 @@ def run_tinypaged(folder: Path, prompts, out_len: int, batch: int, args, device,
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def bandwidth_limit(model, device) -> dict:
+    """The decode-step bound: every weight read once per step, at the device-to-device copy rate measured here."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    src = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    copy_gb_s = 10 * 2 * src.numel() * 4 / (time.perf_counter() - t0) / 1e9  # read + write
+    del src, dst
+    return {"weight_bytes": weight_bytes, "copy_gb_s": copy_gb_s, "steps_per_s": copy_gb_s * 1e9 / weight_bytes}
 
 
 # -- transformers ------------------------------------------------------------------------------------
@@ -277,11 +301,22 @@ def print_report(env: dict, rows: list[dict]) -> None:
             print(f"    (no device time: {r['profile_error']})")
         else:
             print("    (CUDA graphs: n/a on the CPU, where the host is the device)")
-    tp = {r["batch"]: r for r in rows if r["system"] == "tinypaged (torch)" and "error" not in r}
     hf = {r["batch"]: r for r in rows if r["system"].startswith("transformers") and "error" not in r}
-    for b in sorted(set(tp) & set(hf)):
-        print(f"  B={b}: tinypaged / transformers generate_batch = "
-              f"{tp[b]['tokens_per_s'] / hf[b]['tokens_per_s']:.2f}x tokens/s")
+    limit = env.get("bandwidth_limit")
+    print()
+    for r in rows:
+        if not r["system"].startswith("tinypaged") or "error" in r:
+            continue
+        parts = [f"  {r['system']:<30} B={r['batch']:<3} {r['tokens_per_s']:9.1f} tokens/s"]
+        if r["batch"] in hf:
+            parts.append(f"{r['tokens_per_s'] / hf[r['batch']]['tokens_per_s']:.2f}x transformers generate_batch")
+        if limit:
+            bound = r["batch"] * limit["steps_per_s"]
+            parts.append(f"{r['tokens_per_s'] / bound:.1%} of the bandwidth limit ({bound:,.0f} tokens/s)")
+        print(" | ".join(parts))
+    if limit:
+        print(f"  bandwidth limit: a decode step reads every weight once ({limit['weight_bytes'] / 1e9:.2f} GB) at the "
+              f"measured copy rate {limit['copy_gb_s']:,.0f} GB/s: at most {limit['steps_per_s']:,.0f} steps/s")
 
 
 def progress(row: dict) -> None:
@@ -298,8 +333,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-sizes", default=None, help="comma-separated max_num_seqs values (default 8,64; 4 with --small)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 256 (16 with --small)")
     ap.add_argument("--output-len", type=int, default=None, help="default 128 (8 with --small)")
-    ap.add_argument("--backends", default=None, help="tinypaged attention backends (default torch,triton on CUDA; torch)")
+    ap.add_argument("--backends", default=None,
+                    help="tinypaged attention backends, NAME+graphs for CUDA-graph decode (enforce_eager=False) "
+                         "(default triton,triton+graphs on CUDA; torch)")
     ap.add_argument("--skip-hf", action="store_true", help="tinypaged only")
+    ap.add_argument("--hf-batch-sizes", default=None,
+                    help="the batch sizes transformers runs at (default: the first of --batch-sizes; its batch-64 run "
+                         "takes minutes)")
     ap.add_argument("--no-profile", action="store_true", help="no torch.profiler pass (no gpu busy time)")
     ap.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args(argv)
@@ -314,7 +354,8 @@ def main(argv=None) -> int:
         ap.error(f"--batch-sizes must be positive integers; got {args.batch_sizes}")
     prompt_len = args.prompt_len or (16 if args.small else 256)
     out_len = args.output_len or (8 if args.small else 128)
-    backends = (args.backends or ("torch,triton" if device.type == "cuda" else "torch")).split(",")
+    backends = (args.backends or ("triton,triton+graphs" if device.type == "cuda" else "torch")).split(",")
+    hf_sizes = [int(x) for x in (args.hf_batch_sizes or str(sizes[0])).split(",")]
     shapes = SMALL if args.small else SMOLLM2_1_7B
     dtype = getattr(torch, args.dtype)
     env = {"model": "random Llama, " + ("tiny shapes" if args.small else "SmolLM2-1.7B's shapes"), "dtype": args.dtype,
@@ -324,6 +365,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tinypaged-bench-") as tmp:
         hf = random_llama(shapes, dtype, device, Path(tmp))
+        if device.type == "cuda":
+            env["bandwidth_limit"] = bandwidth_limit(hf, device)
         for batch in sizes:
             prompts = make_prompts(2 * batch, prompt_len, shapes["vocab_size"], seed=batch)
             for backend in backends:
@@ -332,7 +375,7 @@ def main(argv=None) -> int:
                 except Exception as e:  # one failing configuration must not hide the others
                     rows.append({"system": f"tinypaged ({backend})", "batch": batch, "error": f"{type(e).__name__}: {e}"})
                 progress(rows[-1])
-            if not args.skip_hf:
+            if not args.skip_hf and batch in hf_sizes:
                 try:
                     rows.append(run_generate_batch(hf, prompts, out_len, batch))
                 except Exception as e:

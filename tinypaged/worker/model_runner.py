@@ -18,6 +18,7 @@ from tinypaged.attention.backends import DecodeBatch, ForwardContext, paged_cont
 from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.interfaces import InvariantError, KVCacheSpec
 from tinypaged.kv.sizing import KVLayout, max_concurrency, size_kv_cache, sizing_knob
+from tinypaged.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from tinypaged.worker.kv_cache import KVCacheTensors, kv_bytes_per_token
 from tinypaged.model.llama import head_dim_of
 
@@ -41,6 +42,7 @@ class ModelRunner:
         self.backend = backend
         self.tensors = None
         self.capacity = self.block_size = 0
+        self.graphs = None  # DecodeGraphs once captured (enforce_eager=False on a GPU; worker/cuda_graphs.py)
         hf = model.config
         self.dtype = next(model.parameters()).dtype
         self.kv_shape = (hf.num_hidden_layers, hf.num_key_value_heads, head_dim_of(hf))
@@ -126,10 +128,20 @@ class ModelRunner:
             raise InvariantError("the KV manager gave two new tokens of this step the same slot "
                                  "(a block handed out twice?)")
 
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int, graph_factory=None) -> None:
+        """Capture decode steps as CUDA graphs for batch sizes 1..``max_num_seqs`` (``capture_sizes``), block
+        tables up to ``max_model_len`` tokens wide; ``graph_factory`` stands in for the CUDA graph in tests."""
+        self.graphs = DecodeGraphs(self.model, self.tensors.keys, self.tensors.values, self.backend, self.block_size,
+                                   capture_sizes(max_num_seqs), blocks_needed(max_model_len, self.block_size),
+                                   graph_factory)
+
     def execute(self, batch):
         """Forward ``batch`` (``SchedulerOutput.batch``); returns (logits of the sampling chunks [N, vocab],
-        those chunks)."""
+        those chunks). A decode-only step replays a captured graph where there is one."""
         ids, pos, ctx, rows, sampling = self.prepare(batch)
+        size = self.graphs.applies(ids, ctx, len(rows)) if self.graphs is not None else None
+        if size is not None:
+            return self.graphs.run(ids, pos, ctx, size), sampling
         # every row samples (a decode-only step): no row to pick, so no copy of the hidden states
         picks = None if len(rows) == ids.shape[0] else torch.tensor(rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, pos, ctx, logits_indices=picks)
