@@ -11,7 +11,6 @@
 // over torch's own OpenMP threads (at::parallel_for), so it never adds threads beside torch's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -273,81 +272,6 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   return out;
 }
 
-// x @ weight.T (+ bias) through the same oneDNN operator the Python fast path calls (tinypaged.model.fused.linear),
-// on the weight as packed there: the same numbers, without a trip through Python per product.
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack;
-  stack.reserve(6);
-  stack.emplace_back(x);
-  stack.emplace_back(weight);
-  stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<c10::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  return stack[0].toTensor();
-}
-
-// This step's keys and values [tokens, KVH, D] (strided views of the fused qkv) into their slots of one layer's
-// cache [slots, KVH, D]; slots were checked by the runner before the step (ModelRunner.check_slots).
-void write_kv(const at::Tensor& qkv, int64_t first_head, at::Tensor& cache, const int64_t* slot, int64_t tokens,
-              int64_t kv_heads, int64_t head_dim) {
-  float* c = cache.data_ptr<float>();
-  const float* src = qkv.data_ptr<float>();
-  const int64_t s0 = qkv.stride(0), s1 = qkv.stride(1);
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < kv_heads; ++h)
-      std::memcpy(c + (slot[t] * kv_heads + h) * head_dim, src + t * s0 + (first_head + h) * s1,
-                  head_dim * sizeof(float));
-}
-
-// Every layer of a step, as FlatForward.native runs them, in one call (row_seq and context_lens: see
-// decode_attention; decodes and prefill chunks alike):
-// per layer add + RMSNorm, the [q; k; v] product, RoPE, the new keys and values into their slots, decode
-// attention, o_proj, add + RMSNorm, [gate; up], SiLU-and-multiply, down_proj. x [B, hidden] is the residual stream,
-// updated in place; returns the last down_proj's output, not yet added (the final norm adds it). Weights are
-// oneDNN's packed copies (tinypaged.model.fused.PackedWeight); keys and values [layers, slots, KVH, D].
-at::Tensor decode_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin, at::TensorList norm1,
-                         at::TensorList qkv_w, const c10::List<c10::optional<at::Tensor>>& qkv_b, at::TensorList o_w,
-                         at::TensorList norm2, at::TensorList gate_up_w, at::TensorList down_w, at::Tensor keys,
-                         at::Tensor values, const at::Tensor& slot_mapping, const at::Tensor& context_slots,
-                         const at::Tensor& context_lens, const c10::optional<at::Tensor>& row_seq, int64_t heads,
-                         int64_t kv_heads, double eps, double scale) {
-  const int64_t layers = static_cast<int64_t>(norm1.size());
-  TORCH_CHECK(qkv_w.size() == norm1.size() && static_cast<int64_t>(qkv_b.size()) == layers &&
-                  o_w.size() == norm1.size() && norm2.size() == norm1.size() && gate_up_w.size() == norm1.size() &&
-                  down_w.size() == norm1.size(),
-              "one weight of each kind per layer");
-  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && keys.dim() == 4 && keys.size(0) == layers &&
-                  keys.sizes() == values.sizes() && keys.size(2) == kv_heads,
-              "keys and values must be contiguous [layers, slots, KVH, D]");
-  const int64_t B = x.size(0), head_dim = keys.size(3);
-  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == B,
-              "slot_mapping must be a contiguous int64 tensor of one slot per row");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < B; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < keys.size(1), "slot_mapping[", t, "] = ", slot[t], " is outside the cache's ",
-                keys.size(1), " slots");
-  at::Tensor residual;
-  for (int64_t l = 0; l < layers; ++l) {
-    at::Tensor h = add_rms_norm(x, l == 0 ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(residual),
-                                norm1[l], eps);
-    at::Tensor qkv = onednn_linear(h, qkv_w[l], qkv_b.get(l)).view({B, heads + 2 * kv_heads, head_dim});
-    rope_(qkv, cos, signed_sin, heads + kv_heads);
-    at::Tensor k_cache = keys.select(0, l), v_cache = values.select(0, l);
-    write_kv(qkv, heads, k_cache, slot, B, kv_heads, head_dim);
-    write_kv(qkv, heads + kv_heads, v_cache, slot, B, kv_heads, head_dim);
-    at::Tensor out =
-        decode_attention(qkv.narrow(1, 0, heads), k_cache, v_cache, context_slots, context_lens, scale, row_seq);
-    at::Tensor o = onednn_linear(out.view({B, heads * head_dim}), o_w[l], c10::nullopt);
-    h = add_rms_norm(x, o, norm2[l], eps);
-    residual = onednn_linear(silu_mul(onednn_linear(h, gate_up_w[l], c10::nullopt)), down_w[l], c10::nullopt);
-  }
-  return residual;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(tinypaged_cpu, m) {
@@ -357,9 +281,4 @@ TORCH_LIBRARY(tinypaged_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor context_slots, "
         "Tensor context_lens, float scale, Tensor? row_seq=None) -> Tensor",
         &decode_attention);
-  m.def("decode_layers(Tensor(a!) x, Tensor cos, Tensor signed_sin, Tensor[] norm1, Tensor[] qkv_w, Tensor?[] qkv_b, "
-        "Tensor[] o_w, Tensor[] norm2, Tensor[] gate_up_w, Tensor[] down_w, Tensor(b!) keys, Tensor(c!) values, "
-        "Tensor slot_mapping, Tensor context_slots, Tensor context_lens, Tensor? row_seq, int heads, int kv_heads, "
-        "float eps, float scale) -> Tensor",
-        &decode_layers);
 }

@@ -38,8 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinypaged import cpu_native
-from tinypaged.attention.backends import ForwardContext
-from tinypaged.attention.sdpa import SDPABackend
 
 
 class FusedLinear:
@@ -229,102 +227,24 @@ class FlatForward:
             x = x[logits_indices]
         return self.model.lm_head.forward(rms_norm(x, stack.norm))
 
-    def one_call_weights(self):
-        """Per layer, what ``decode_layers`` reads, or None where this model is not the shape it runs (a bias on
-        o_proj, down_proj or [gate; up], norms or scales that differ between layers). Read at each step, so a weight
-        changed in place reaches the next step (oneDNN's copies are repacked by ``PackedWeight``)."""
-        model = self.model.model
-        first = self.layers[0]
-        lists = [[], [], [], [], [], [], []]
-        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
-            if not (isinstance(o_proj, SingleLinear) and isinstance(down_proj, SingleLinear)):
-                return None
-            singles = (o_proj.layer, down_proj.layer)
-            if (not isinstance(qkv_proj, FusedLinear) or not isinstance(gate_up_proj, FusedLinear) or gate_up_proj.bias
-                    is not None or any(s.bias is not None for s in singles) or (scale, heads, kv_heads, head_dim)
-                    != first[4:8] or norm1.eps != first[1].eps or norm2.eps != first[1].eps):
-                return None
-            for out, tensor in zip(lists, (norm1.weight, qkv_proj.packed.of(qkv_proj.weight), qkv_proj.bias,
-                                           o_proj.packed.of(o_proj.layer.weight), norm2.weight,
-                                           gate_up_proj.packed.of(gate_up_proj.weight),
-                                           down_proj.packed.of(down_proj.layer.weight))):
-                out.append(tensor)
-        if model.norm.eps != first[1].eps:
-            return None
-        return lists
-
     def native(self, ops, x, cos, signed_sin, ctx, logits_indices) -> torch.Tensor:
         """The same loop on a float32 CPU with tinypaged's C++ operators (``tinypaged.cpu_native``): each residual
         add is fused into the RMSNorm after it and runs in place on ``x`` (the embedding lookup's own new tensor),
-        RoPE runs in place on the fused qkv, SiLU-and-multiply is one call. Attention still goes through
-        ``ctx.attend`` and the step's backend, except where the whole step runs as one C++ call
-        (``one_call_applies``)."""
+        RoPE runs in place on the fused qkv, SiLU-and-multiply is one call. Attention always goes through
+        ``ctx.attend`` and the step's backend (``SDPABackend.decode`` calls the C++ decode attention)."""
         stack = self.model.model
         n = x.shape[0]
         cos, signed_sin = cos.view(n, -1), signed_sin.view(n, -1)
-        weights = self.one_call_weights() if one_call_applies(ctx, n) else None
-        if weights is not None:
-            _, _, _, _, scale, heads, kv_heads, _, norm1, _, _ = self.layers[0]
-            slots, lens, row_seq = one_call_context(ctx, n)
-            residual = ops.decode_layers(x, cos, signed_sin, *weights, ctx.keys, ctx.values, ctx.slot_mapping, slots,
-                                         lens, row_seq, heads, kv_heads, norm1.eps, scale)
-        else:
-            residual = None  # the last product not yet added to x
-            for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
-                qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads,
-                                                                                            head_dim)
-                ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
-                out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
-                h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
-                residual = down_proj(ops.silu_mul(gate_up_proj(h)))
+        residual = None  # the last product not yet added to x
+        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
+            qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads, head_dim)
+            ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
+            out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
+            h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
+            residual = down_proj(ops.silu_mul(gate_up_proj(h)))
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
-
-
-DECODE_IN_ONE_CALL = True  # course-only; False runs every step layer by layer (tests compare the two)
-
-
-def one_call_applies(ctx, rows: int) -> bool:
-    """Whether a step can run as ``decode_layers``' one C++ call (decodes and prefill chunks alike): the default
-    ``SDPABackend`` neither subclassed nor patched (a learner's or a test's backend is always called), the products
-    all on oneDNN (more than ``GEMV_ROWS`` rows; ``linear`` and the projections' calls not wrapped) and the caches
-    contiguous."""
-    decode, backend = ctx.decode, ctx.backend
-    return (DECODE_IN_ONE_CALL and ONEDNN and rows > GEMV_ROWS and (decode is None or decode.context_slots is not None)
-            and type(backend) is SDPABackend
-            and "decode" not in vars(backend) and "write" not in vars(backend)
-            and (SDPABackend.decode, SDPABackend.write, ForwardContext.attend, linear, FusedLinear.__call__,
-                 SingleLinear.__call__) == _AS_DEFINED
-            and ctx.keys.is_contiguous() and ctx.values.is_contiguous())
-
-
-def one_call_context(ctx, rows: int):
-    """Where each row's keys are, for ``decode_layers``: ``context_slots`` [S, L] (a row per decoding sequence, then
-    one per prefill chunk), each row's count of visible keys [rows] (a chunk's rows see one more key each: the causal
-    mask) and the slots row each token reads [rows] (None when all rows are decodes in order)."""
-    decode = ctx.decode
-    if decode is not None and not ctx.prefills and decode.rows.numel() == rows:
-        return decode.context_slots.contiguous(), decode.context_lens.to(torch.long).contiguous(), None
-    seqs = decode.rows.numel() if decode is not None else 0
-    width = max([decode.context_slots.shape[1]] if decode is not None else [1])
-    width = max([width] + [slots.numel() for _, _, slots, _ in ctx.prefills])
-    table = torch.zeros(seqs + len(ctx.prefills), width, dtype=torch.long)
-    lens, row_seq = torch.zeros(rows, dtype=torch.long), torch.zeros(rows, dtype=torch.long)
-    if decode is not None:
-        table[:seqs, :decode.context_slots.shape[1]] = decode.context_slots
-        lens[decode.rows] = decode.context_lens.to(torch.long)
-        row_seq[decode.rows] = torch.arange(seqs)
-    for i, (start, end, slots, first_pos) in enumerate(ctx.prefills):
-        table[seqs + i, :slots.numel()] = slots
-        lens[start:end] = torch.arange(first_pos + 1, first_pos + 1 + end - start)
-        row_seq[start:end] = seqs + i
-    return table, lens, row_seq  # a row no chunk covers keeps length 0, which decode_attention refuses
-
-
-# as defined here: where a test or a profiler has wrapped one of them, the step calls the wrapper, never bypasses it
-_AS_DEFINED = (SDPABackend.decode, SDPABackend.write, ForwardContext.attend, linear, FusedLinear.__call__,
-               SingleLinear.__call__)
 
 
 WARM_ROWS = PACK_ROWS  # warm_up builds oneDNN's primitives for decode batches of 1 to this many rows
