@@ -67,10 +67,10 @@ def no_model_load(monkeypatch):
     (dict(device="cudax"), ValueError, r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cudax'"),
     (dict(model=None), TypeError, r"model must be a model name \('smollm2-135m', 'tiny'\) or the path"),
     (dict(model=""), TypeError, r"model must be a model name"),
-    (dict(kv_cache_manager=None), TypeError, r"kv_cache_manager must be 'paged', 'contiguous' or a factory.*got None"),
-    (dict(kv_cache_manager="virtual"), ValueError, r"kv_cache_manager='virtual': use one of 'paged', 'contiguous'"),
+    (dict(kv_cache_manager=None), TypeError, r"kv_cache_manager must be 'paged', 'contiguous', 'radix' or a factory.*got None"),
+    (dict(kv_cache_manager="virtual"), ValueError, r"kv_cache_manager='virtual': use one of 'paged', 'contiguous', 'radix'"),
     (dict(dtype="float8"), ValueError, r"dtype='float8': use one of 'float32'"),
-    (dict(kv_cache_manager=object), TypeError, r"kv_cache_manager must be 'paged', 'contiguous' or a factory called with one KVCacheSpec"),
+    (dict(kv_cache_manager=object), TypeError, r"kv_cache_manager must be 'paged', 'contiguous', 'radix' or a factory called with one KVCacheSpec"),
     (dict(kv_cache_manager=5), TypeError, r"kv_cache_manager must be .*a factory.*got 5"),
 ])
 def test_bad_knob_is_a_clear_error_naming_it(kw, error, words):
@@ -121,17 +121,18 @@ def test_kv_cache_manager_factories_that_take_a_spec_are_accepted():
 
 
 # -- the one policy knob ------------------------------------------------------------------------------
-def test_scheduling_policy_is_the_one_knob_and_defaults_to_continuous():
+def test_scheduling_policy_is_the_one_knob_and_defaults_to_fcfs():
     c = config()
-    assert c.scheduling_policy == "continuous" and not hasattr(c, "scheduler") and not c.has_plugins
+    assert c.scheduling_policy == "fcfs" and not hasattr(c, "scheduler") and not c.has_plugins
     assert isinstance(make_policy(c), PlanPolicy)
+    assert isinstance(make_policy(config(scheduling_policy="continuous")), PlanPolicy)  # the course's first name
     assert isinstance(make_policy(config(scheduling_policy="static")), StaticBatching)
     assert config(scheduling_policy=schedule_step).has_plugins
 
 
 @pytest.mark.parametrize("policy, error, words", [
-    ("fifo", ValueError, r"scheduling_policy='fifo': use 'continuous', 'static', a schedule_step-like function"),
-    (5, TypeError, r"scheduling_policy must be 'continuous', 'static', a schedule_step-like function"),
+    ("fifo", ValueError, r"scheduling_policy='fifo': use 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like"),
+    (5, TypeError, r"scheduling_policy must be 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like function"),
     (lambda: None, TypeError, r"scheduling_policy must be .*\(running, waiting, budget, max_num_seqs, kv\)"),
     (type("NoSchedule", (), {}), TypeError, r"scheduling_policy=NoSchedule is a class without a schedule"),
 ])

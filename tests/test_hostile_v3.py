@@ -242,8 +242,6 @@ def test_a_full_disk_while_saving_tiny_falls_back_to_memory_leaving_nothing(tmp_
     ("/v1/completions", "prompt_embeds", "AAAA"),
     ("/v1/completions", "kv_transfer_params", {"do_remote_decode": True}),
     ("/v1/completions", "truncate_prompt_tokens", 1),
-    ("/v1/completions", "include_stop_str_in_output", True),
-    ("/v1/completions", "skip_special_tokens", False),
     ("/v1/completions", "priority", 5),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
     ("/v1/chat/completions", "documents", [{"text": "a doc"}]),
@@ -319,9 +317,40 @@ def test_a_multi_token_bad_word_bans_its_last_token_only_after_its_prefix():
     assert torch.isinf(out[1]).nonzero().flatten().tolist() == [9]
 
 
-def test_continuous_usage_stats_is_refused_by_name(served):
-    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+def sse_bodies(r: httpx.Response) -> list:
+    assert r.status_code == 200, r.text
+    lines = [ln[len("data: "):] for ln in r.text.split("\n\n") if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_puts_the_running_counts_on_every_chunk(served, path):
+    """vLLM's ``continuous_usage_stats``: each chunk's usage counts the tokens streamed so far (here, the
+    ``token_ids`` of the chunks up to and including it), and the last chunk (no choices) has the totals."""
+    base = CHAT if "chat" in path else {"prompt": [[1, 2, 3], [4, 5]]}
+    body = {**base, "max_tokens": 5, "n": 2, "temperature": 1.0, "seed": 3, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = sse_bodies(post(served, body, path))
+    *running, last = chunks
+    assert last["choices"] == [] and running, chunks
+    seen = 0
+    for ch in running:
+        seen += sum(len(c.get("token_ids") or []) for c in ch["choices"])
+        u = ch["usage"]
+        assert u is not None and u["completion_tokens"] == seen, (ch, seen)
+        assert u["total_tokens"] == u["prompt_tokens"] + seen and u["prompt_tokens"] == last["usage"]["prompt_tokens"]
+    assert last["usage"]["completion_tokens"] == seen == 5 * (2 if "chat" in path else 4), last
+    # without it, only the last chunk carries usage (as before)
+    plain = sse_bodies(post(served, {**body, "stream_options": {"include_usage": True}}, path))
+    assert all(ch["usage"] is None for ch in plain[:-1]) and plain[-1]["usage"] == last["usage"]
+
+
+@pytest.mark.parametrize("opts", [{"include_usage": True, "continuous_usage_stats": "yes"},
+                                  {"include_usage": True, "continuous_usage_stats": 1},
+                                  {"continuous_usage_stats": True}])
+def test_a_bad_continuous_usage_stats_is_a_400_naming_it(served, opts):
+    body = {"prompt": [1, 2], "max_tokens": 2, "stream": True, "stream_options": opts}
     err = error(post(served, body), 400)
     assert err["param"] == "stream_options.continuous_usage_stats", err
 
@@ -427,3 +456,67 @@ def test_sigterm_is_a_graceful_shutdown_with_status_0(served):
     assert rest[-1]["choices"][0]["finish_reason"] == "length"
     assert served.proc.wait(120) == 0, served.log.read_text()
     assert "Traceback" not in served.log.read_text()
+
+
+# -- stalls: a hostile call must not freeze the other streams ------------------------------------------------------
+def _gaps_while(served, hostile) -> tuple[float, list]:
+    """The largest gap between two chunks of a concurrent stream while ``hostile()`` runs (its results too)."""
+    arrivals, started = [], threading.Event()
+
+    def stream():
+        body = {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    arrivals.append(time.monotonic())
+                    started.set()
+
+    t = threading.Thread(target=stream, daemon=True)
+    t.start()
+    assert started.wait(60)
+    time.sleep(0.3)
+    mark = time.monotonic()
+    results = hostile()
+    end = time.monotonic()
+    t.join(120)
+    assert not t.is_alive()
+    during = [a for a in arrivals if mark <= a] + [end]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert len(arrivals) > 10, len(arrivals)
+    return max(gaps + [0.0]), results
+
+
+@pytest.fixture(scope="module")
+def quiet(tmp_path_factory):
+    """A server of its own for the stall tests (the shared one may be busy or dead from earlier tests)."""
+    srv = Served(tmp_path_factory.mktemp("stalls"))
+    yield srv
+    srv.close()
+
+
+STALL_S = 3.0  # a token of the other stream comes well within this (tiny model, shared CPUs); blocking takes longer
+
+
+def test_half_a_million_prompts_is_a_quick_400_that_stalls_no_stream(quiet):
+    served = quiet
+    def hostile():
+        start = time.monotonic()
+        r = post(served, {"prompt": [[1]] * 500_000, "max_tokens": 1})
+        return r, time.monotonic() - start
+
+    gap, (r, took) = _gaps_while(served, hostile)
+    err = error(r, 400)
+    assert "max_num_seqs + max_queued" in err["message"], err
+    assert took < 6 and gap < STALL_S, (took, gap)  # before the count came first: ~8 s under load
+
+
+def test_a_chat_of_60000_messages_stalls_no_stream(quiet):
+    served = quiet
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(60_000)]
+
+    def hostile():
+        return post(served, {"messages": msgs, "max_tokens": 1}, "/v1/chat/completions", timeout=120)
+
+    gap, r = _gaps_while(served, hostile)
+    assert r.status_code in (200, 400), r.text[:300]  # 400: too long for max_model_len
+    assert gap < STALL_S, gap

@@ -17,9 +17,28 @@ from tinypaged.sampling_params import SEED_MAX, SEED_MIN
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV space is a fixed size
 CPU_DEFAULT_MAX_MODEL_LEN = 2048  # a CPU-friendly cap on the model's own context (8192 for SmolLM2)
-SCHEDULING_POLICIES = ("continuous", "static")  # the built-in policies, by name
-ATTENTION_BACKENDS = ("torch", "sdpa", "triton")  # the built-in attention backends, by name
-KV_MANAGERS = ("paged", "contiguous")  # the built-in KV managers, by name (kv_cache_manager)
+# One registry per seam: each built-in name and whose design it is. The knobs' checks, serve's flags and their
+# help (entrypoints/cli_args.py) are made from these; the factories live in their own layers (kv/managers.py,
+# sched/scheduler.make_policy, attention/selector.py).
+SCHEDULERS = {"static": "course-only: static batching, the pre-Orca baseline (stage 4)"}  # scheduler_cls
+SCHEDULING_POLICIES = {  # scheduling_policy
+    "fcfs": "vLLM v1 (the default): continuous batching, waiting requests in arrival order",
+    "priority": "vLLM v1: by request priority (lower first), then arrival; the lowest priority is preempted first",
+    "lpm": "SGLang: longest cached prefix first (stage 7)",
+    "static": "course-only: static batching, the pre-Orca baseline (stage 4)",
+    "continuous": "course-only: fcfs's earlier name in this course",
+}
+ATTENTION_BACKENDS = {  # attention_backend
+    "torch": "course-only: the reference of lessons 2-3 (gather, then attend)",
+    "sdpa": "torch's fused attention kernel (the fast path's default)",
+    "triton": "stage 5's Triton kernels (paged decode, as vLLM's Triton backend)",
+}
+KV_MANAGERS = {  # kv_cache_manager
+    "paged": "vLLM (paper 2023, v1): blocks, block tables, prefix caching",
+    "contiguous": "course-only: one contiguous region per request (stage 1, before vLLM)",
+    "radix": "SGLang: a radix tree of pages (stage 7)",
+}
+KV_LAYOUTS = ("paged", "contiguous")  # how the KV tensors are laid out (a radix manager's pages are paged)
 # knobs that were merged into another: passing one is a TypeError naming its replacement
 RENAMED = {"kv_cache": "kv_cache_manager", "scheduler": "scheduling_policy"}
 
@@ -55,7 +74,7 @@ BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", 
 class EngineConfig:
     """The engine's knobs (vLLM's names). ``__post_init__`` checks every one and fills two defaults:
 
-    * ``scheduling_policy`` None means ``"continuous"``.
+    * ``scheduling_policy`` None means ``"fcfs"`` (vLLM's default).
     * ``enable_chunked_prefill`` None means on where the policy can split prompts (every policy but
       ``"static"``), as vLLM v1 has it on by default; True together with ``"static"`` is an error.
     """
@@ -79,9 +98,16 @@ class EngineConfig:
     # stage 3
     enable_prefix_caching: bool = False
     parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
-    # stage 4: scheduling_policy is "continuous" (vLLM v1), "static" (course baseline), a schedule_step-like
-    # function, or a policy object (or class) with schedule(scheduler); None: "continuous"
+    # stage 4: scheduling_policy is vLLM's "fcfs" (continuous batching in arrival order; "continuous" is the same) or
+    # "priority" (lower request priority first, ties by arrival; preemption takes the lowest priority), "lpm" (stage 7,
+    # SGLang), "static" (course baseline), a schedule_step-like function, or a policy object (or class) with
+    # schedule(scheduler); None: "fcfs"
     scheduling_policy: Any = None
+    # vLLM's name for a custom scheduler: "static" (stage 4's static batching), a schedule_step-like function, or a
+    # policy object (or class) with plan(...) or schedule(scheduler); None: the engine's continuous step. The
+    # waiting order is still scheduling_policy's (fcfs; priority and lpm wrap a step function or a plan policy).
+    # Plug-ins given as scheduling_policy are still taken (the course's first spelling).
+    scheduler_cls: Any = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool | None = None  # None: on, unless scheduling_policy="static"
@@ -95,9 +121,11 @@ class EngineConfig:
     # course-only: True runs fused QKV and gate/up projections (tinypaged/model/fused.py) and picks "sdpa" for an
     # unset attention_backend; False runs the readable reference path of lessons 1-3 (seven projections). Same tokens.
     fast_path: bool = True
-    # vLLM's name. False compiles the fast path's dense pieces around attention (torch.compile, inductor:
-    # tinypaged/model/compiled.py; seconds of warm-up on the first steps, cached on disk). vLLM v1 today: compiles
-    # by default (enforce_eager=False); here True by default so lessons and tests start at once.
+    # vLLM's name. False: on a GPU, decode steps replay CUDA graphs captured at start for batch sizes
+    # 1..max_num_seqs (tinypaged/worker/cuda_graphs.py; an unset attention_backend becomes "triton"); on a CPU, the
+    # fast path's dense pieces around attention are compiled (torch.compile, inductor: tinypaged/model/compiled.py;
+    # seconds of warm-up on the first steps, cached on disk). vLLM v1 today: graphs and compilation by default
+    # (enforce_eager=False); here True by default so lessons and tests start at once.
     enforce_eager: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
     check_invariants: bool | None = None  # the costlier per-step checks; None: on when a plug-in is given
@@ -112,10 +140,10 @@ class EngineConfig:
         ``layout`` attribute (a bound ``from_spec``'s class's), "paged" when it declares none."""
         m = self.kv_cache_manager
         if isinstance(m, str):
-            return m
+            return "contiguous" if m == "contiguous" else "paged"
         for owner in (m, getattr(m, "__self__", None)):
             layout = getattr(owner, "layout", None)
-            if layout in KV_MANAGERS:
+            if layout in KV_LAYOUTS:
                 return layout
         return "paged"
 
@@ -130,9 +158,10 @@ class EngineConfig:
         return torch.device(self.device)
 
     def verify(self) -> None:
-        """Check every knob (types first, then ranges, then knobs that must agree); fill the policy defaults."""
-        self._verify_types()
-        self._verify_policy()
+        """Check every knob (types first, then ranges, then knobs that must agree; the module functions
+        ``verify_types`` and ``verify_policy`` check one knob or seam each); fill the policy defaults."""
+        verify_types(self)
+        verify_policy(self)
 
         def bad(msg):
             raise ValueError(msg)
@@ -144,7 +173,9 @@ class EngineConfig:
         if not self.enforce_eager and not self.fast_path:
             bad("enforce_eager=False compiles the fast path (fused projections): it needs fast_path=True")
         if self.attention_backend is None:
-            self.attention_backend = "sdpa" if self.fast_path else "torch"
+            # enforce_eager=False on a GPU replays decode steps as CUDA graphs, which read block tables (triton)
+            graphs = not self.enforce_eager and self.torch_device.type == "cuda" and self.kv_layout == "paged"
+            self.attention_backend = "triton" if graphs else "sdpa" if self.fast_path else "torch"
         if isinstance(self.attention_backend, str) and self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'sdpa', 'triton', a paged decode "
                 f"function or an AttentionBackend object")
@@ -163,98 +194,11 @@ class EngineConfig:
                 f"Raise max_num_batched_tokens or lower max_num_seqs."
             )
 
-    def _verify_types(self) -> None:
-        """Each knob on its own: a TypeError for the wrong kind of value, a ValueError for one out of range."""
-        if isinstance(self.model, os.PathLike):
-            self.model = os.fspath(self.model)
-        if not isinstance(self.model, str) or not self.model:
-            raise TypeError(f"model must be a model name ('smollm2-135m', 'tiny') or the path of a local folder, "
-                            f"got {self.model!r}")
-        if isinstance(self.device, torch.device):
-            self.device = str(self.device)
-        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            error = ValueError if isinstance(self.device, str) else TypeError
-            raise error(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        for knob, choices in CHOICES.items():
-            value = getattr(self, knob)
-            if not isinstance(value, str) or value not in choices:
-                error = ValueError if isinstance(value, str) else TypeError
-                raise error(f"{knob}={value!r}: use one of {', '.join(map(repr, choices))}")
-        for knob, (kind, allowed, words) in NUMBERS.items():
-            value = getattr(self, knob)
-            if value is None and knob in OPTIONAL:
-                continue
-            if not isinstance(value, numbers.Integral if kind is int else numbers.Real) or isinstance(value, bool):
-                raise TypeError(f"{knob} must be {words}, got {value!r}")
-            try:
-                number = kind(value)  # numpy numbers too (a sweep's values), kept as plain Python numbers
-            except OverflowError:
-                number = math.inf
-            if (kind is float and not math.isfinite(number)) or not allowed(number):
-                raise ValueError(f"{knob} must be {words}, got {value!r}")
-            setattr(self, knob, number)
-        for knob in BOOLS:
-            value = getattr(self, knob)
-            if not isinstance(value, bool) and not (value is None and knob in OPTIONAL):
-                raise TypeError(f"{knob} must be True or False{' (or None: the default)' if knob in OPTIONAL else ''}"
-                                f", got {value!r}")
-        factory = self.kv_cache_manager
-        if isinstance(factory, str):
-            if factory not in KV_MANAGERS:
-                raise ValueError(f"kv_cache_manager={factory!r}: use one of {', '.join(map(repr, KV_MANAGERS))}, "
-                                 f"or a factory called with one KVCacheSpec")
-        elif not (callable(factory) and _accepts_arguments(factory, 1)):
-            raise TypeError(f"kv_cache_manager must be 'paged', 'contiguous' or a factory called with one KVCacheSpec "
-                            f"(a function or a class whose __init__ takes the spec, e.g. BlockManager.from_spec), "
-                            f"got {factory!r}")
-        self._verify_backend_signature()
-
-    def _verify_backend_signature(self) -> None:
-        """A decode function, or a backend object's methods, must take what the engine passes them."""
-        backend = self.attention_backend
-        if backend is None or isinstance(backend, (str, type)):
-            return  # unset, a name (checked in verify), or a class built by the engine (its methods checked then)
-        if hasattr(backend, "decode") or hasattr(backend, "write"):
-            calls = {"decode": "decode(query, key_cache, value_cache, batch, scale)",
-                     "write": "write(key_cache, value_cache, key, value, slot_mapping)"}
-            for name, call in calls.items():
-                method = getattr(backend, name, None)
-                if callable(method) and not _accepts_arguments(method, 5):
-                    raise TypeError(f"attention_backend {type(backend).__name__}.{name} cannot be called as "
-                                    f"{call} (tinypaged.interfaces.AttentionBackend)")
-        elif not callable(backend) or not _accepts_arguments(backend, 6):
-            raise TypeError(f"attention_backend={backend!r} must be 'torch', 'sdpa', 'triton', an AttentionBackend object, "
-                            f"or a paged decode function called as fn(query, k_cache, v_cache, block_tables, "
-                            f"context_lens, scale) (paged_attention_decode's signature)")
-
-    def _verify_policy(self) -> None:
-        """The one policy knob, and chunked prefill where that policy can split prompts."""
-        p = self.scheduling_policy
-        if p is None:
-            p = self.scheduling_policy = "continuous"
-        if isinstance(p, str):
-            if p not in SCHEDULING_POLICIES:
-                raise ValueError(f"scheduling_policy={p!r}: use 'continuous', 'static', a schedule_step-like "
-                                 f"function or a policy object with schedule(scheduler)")
-        elif isinstance(p, type) and not _is_policy(p):
-            raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method "
-                            f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
-        elif not _is_policy(p) and not (callable(p) and _accepts_arguments(p, 5)):
-            raise TypeError(f"scheduling_policy must be 'continuous', 'static', a schedule_step-like function "
-                            f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) "
-                            f"or plan(running, waiting, budget, max_num_seqs, kv); got {p!r}")
-        static = isinstance(p, str) and p == "static"
-        if self.enable_chunked_prefill is None:
-            self.enable_chunked_prefill = not static
-        elif self.enable_chunked_prefill and static:
-            raise ValueError("enable_chunked_prefill=True contradicts scheduling_policy='static': a static batch "
-                             "prefills each prompt whole. Drop enable_chunked_prefill (it defaults to off for "
-                             "'static') or use scheduling_policy='continuous'.")
-
     @property
     def has_plugins(self) -> bool:
         return (not isinstance(self.kv_cache_manager, str) or not isinstance(self.scheduling_policy, str)
-                or not isinstance(self.attention_backend, str))
+                or not isinstance(self.attention_backend, str)
+                or not (self.scheduler_cls is None or isinstance(self.scheduler_cls, str)))
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model, then check the knobs that relate to it."""
@@ -275,6 +219,123 @@ class EngineConfig:
                 f"max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=True "
                 f"(with scheduling_policy='continuous')."
             )
+
+
+# -- the checks of EngineConfig.verify, one knob (or one seam) at a time ------------------------------------
+def verify_types(config: EngineConfig) -> None:
+    """Each knob on its own: a TypeError for the wrong kind of value, a ValueError for one out of range."""
+    if isinstance(config.model, os.PathLike):
+        config.model = os.fspath(config.model)
+    if not isinstance(config.model, str) or not config.model:
+        raise TypeError(f"model must be a model name ('smollm2-135m', 'tiny') or the path of a local folder, "
+                        f"got {config.model!r}")
+    if isinstance(config.device, torch.device):
+        config.device = str(config.device)
+    if not isinstance(config.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", config.device):
+        error = ValueError if isinstance(config.device, str) else TypeError
+        raise error(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {config.device!r}")
+    for knob, choices in CHOICES.items():
+        value = getattr(config, knob)
+        if not isinstance(value, str) or value not in choices:
+            error = ValueError if isinstance(value, str) else TypeError
+            raise error(f"{knob}={value!r}: use one of {', '.join(map(repr, choices))}")
+    for knob, (kind, allowed, words) in NUMBERS.items():
+        value = getattr(config, knob)
+        if value is None and knob in OPTIONAL:
+            continue
+        if not isinstance(value, numbers.Integral if kind is int else numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{knob} must be {words}, got {value!r}")
+        try:
+            number = kind(value)  # numpy numbers too (a sweep's values), kept as plain Python numbers
+        except OverflowError:
+            number = math.inf
+        if (kind is float and not math.isfinite(number)) or not allowed(number):
+            raise ValueError(f"{knob} must be {words}, got {value!r}")
+        setattr(config, knob, number)
+    for knob in BOOLS:
+        value = getattr(config, knob)
+        if not isinstance(value, bool) and not (value is None and knob in OPTIONAL):
+            raise TypeError(f"{knob} must be True or False{' (or None: the default)' if knob in OPTIONAL else ''}"
+                            f", got {value!r}")
+    factory = config.kv_cache_manager
+    if isinstance(factory, str):
+        if factory not in KV_MANAGERS:
+            raise ValueError(f"kv_cache_manager={factory!r}: use one of {', '.join(map(repr, KV_MANAGERS))}, "
+                             f"or a factory called with one KVCacheSpec")
+    elif not (callable(factory) and _accepts_arguments(factory, 1)):
+        raise TypeError(f"kv_cache_manager must be 'paged', 'contiguous', 'radix' or a factory called with one "
+                        f"KVCacheSpec (a function or a class whose __init__ takes the spec, e.g. BlockManager.from_spec), "
+                        f"got {factory!r}")
+    verify_backend_signature(config)
+
+def verify_backend_signature(config: EngineConfig) -> None:
+    """A decode function, or a backend object's methods, must take what the engine passes them."""
+    backend = config.attention_backend
+    if backend is None or isinstance(backend, (str, type)):
+        return  # unset, a name (checked in verify), or a class built by the engine (its methods checked then)
+    if hasattr(backend, "decode") or hasattr(backend, "write"):
+        calls = {"decode": "decode(query, key_cache, value_cache, batch, scale)",
+                 "write": "write(key_cache, value_cache, key, value, slot_mapping)"}
+        for name, call in calls.items():
+            method = getattr(backend, name, None)
+            if callable(method) and not _accepts_arguments(method, 5):
+                raise TypeError(f"attention_backend {type(backend).__name__}.{name} cannot be called as "
+                                f"{call} (tinypaged.interfaces.AttentionBackend)")
+    elif not callable(backend) or not _accepts_arguments(backend, 6):
+        raise TypeError(f"attention_backend={backend!r} must be 'torch', 'sdpa', 'triton', an AttentionBackend object, "
+                        f"or a paged decode function called as fn(query, k_cache, v_cache, block_tables, "
+                        f"context_lens, scale) (paged_attention_decode's signature)")
+
+def verify_policy(config: EngineConfig) -> None:
+    """The one policy knob, and chunked prefill where that policy can split prompts."""
+    p = config.scheduling_policy
+    if p is None:
+        p = config.scheduling_policy = "fcfs"
+    if isinstance(p, str):
+        if p not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy={p!r}: use 'fcfs', 'priority', 'lpm', 'static', a "
+                             f"schedule_step-like function or a policy object with schedule(scheduler)")
+    elif isinstance(p, type) and not _is_policy(p):
+        raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method "
+                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
+    elif not _is_policy(p) and not (callable(p) and _accepts_arguments(p, 5)):
+        raise TypeError(f"scheduling_policy must be 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like function "
+                        f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) "
+                        f"or plan(running, waiting, budget, max_num_seqs, kv); got {p!r}")
+    verify_scheduler_cls(config)
+    static = "scheduling_policy" if isinstance(p, str) and p == "static" else \
+        "scheduler_cls" if isinstance(config.scheduler_cls, str) else None
+    if config.enable_chunked_prefill is None:
+        config.enable_chunked_prefill = not static
+    elif config.enable_chunked_prefill and static:
+        raise ValueError(f"enable_chunked_prefill=True contradicts {static}='static': a static batch "
+                         f"prefills each prompt whole. Drop enable_chunked_prefill (it defaults to off for "
+                         f"'static') or use scheduling_policy='fcfs'.")
+
+
+def verify_scheduler_cls(config: EngineConfig) -> None:
+    """``scheduler_cls``: None, "static", a step function or a policy, and an order it can run in."""
+    cls, p = config.scheduler_cls, config.scheduling_policy
+    if cls is None:
+        return
+    if isinstance(cls, str):
+        if cls not in SCHEDULERS:
+            raise ValueError(f"scheduler_cls={cls!r}: use 'static', a schedule_step-like function or a policy "
+                             f"object (or class) with plan(...) or schedule(scheduler)")
+    elif isinstance(cls, type) and not _is_policy(cls):
+        raise TypeError(f"scheduler_cls={cls.__name__} is a class without a schedule(scheduler) method "
+                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
+    elif not _is_policy(cls) and not (callable(cls) and _accepts_arguments(cls, 5)):
+        raise TypeError(f"scheduler_cls must be 'static', a schedule_step-like function (running, waiting, budget, "
+                        f"max_num_seqs, kv) or an object with schedule(scheduler) or plan(...); got {cls!r}")
+    if not isinstance(p, str) or p == "static":
+        raise ValueError(f"scheduler_cls and scheduling_policy={p!r} both name a scheduler: give it once, as "
+                         f"scheduler_cls, and leave scheduling_policy to the order ('fcfs', 'priority', 'lpm')")
+    plans = not isinstance(cls, str) and (callable(getattr(cls, "plan", None)) or not _is_policy(cls))
+    if p in ("priority", "lpm") and not plans:
+        raise ValueError(f"scheduling_policy={p!r} orders the requests a step function plans over: scheduler_cls="
+                         f"{cls!r} {'admits in arrival order' if cls == 'static' else 'schedules by itself'}; "
+                         f"use scheduling_policy='fcfs' with it, or a schedule_step-like scheduler_cls")
 
 
 def _is_policy(p) -> bool:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
 from tinypaged.config import RENAMED, EngineConfig
-from tinypaged.engine.input_processor import check_batch
+from tinypaged.engine.input_processor import check_batch, check_priorities
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.model.cpu_threads import ensure_cpu_threads
 from tinypaged.outputs import RequestOutput, StreamOutput
@@ -62,12 +62,14 @@ class LLM:
         finally:
             self._busy.release()
 
-    def _submit(self, prompts, sampling_params, arrival_times) -> list:
+    def _submit(self, prompts, sampling_params, arrival_times, priority=None) -> list:
         """Tokenize and validate every request, then queue them all (nothing is queued if one is bad)."""
         prompts, params, offsets = check_batch(prompts, sampling_params, arrival_times)
         engine = self.llm_engine
+        ranks = check_priorities(priority, len(prompts), engine.config.scheduling_policy)
         now = engine.clock()  # arrival times are offsets from now; requests already queued keep theirs
-        requests = [engine.make_request(self._next_id(), p, sp, now + t) for p, sp, t in zip(prompts, params, offsets)]
+        requests = [engine.make_request(self._next_id(), p, sp, now + t, r)
+                    for p, sp, t, r in zip(prompts, params, offsets, ranks)]
         engine.enqueue(requests)
         return requests
 
@@ -77,16 +79,18 @@ class LLM:
         return self.llm_engine.run_until_done([req.request_id for req in requests])
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 arrival_times: list[float] | None = None, on_step=None) -> list[RequestOutput]:
+                 arrival_times: list[float] | None = None, on_step=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Run prompts to completion; results come back in input order (``[]`` for no prompts).
 
         Every request is validated before any work starts: a bad one raises ValueError naming it.
-        ``arrival_times`` (seconds from now) replay a trace; ``on_step`` sees each StepResult.
+        ``arrival_times`` (seconds from now) replay a trace; ``on_step`` sees each StepResult; ``priority``
+        (vLLM's: one int per prompt, lower first; needs ``scheduling_policy="priority"`` unless all are 0).
         """
         if on_step is not None and not callable(on_step):
             raise TypeError(f"on_step must be a function taking each StepResult, or None; got {type(on_step).__name__}")
         with self._generating():
-            requests = self._submit(prompts, sampling_params, arrival_times)
+            requests = self._submit(prompts, sampling_params, arrival_times, priority)
             order = {req.request_id: i for i, req in enumerate(requests)}
             results: list[RequestOutput | None] = [None] * len(requests)
             with closing(self._steps(requests)) as steps:  # closing aborts what is left on any exception
@@ -99,13 +103,14 @@ class LLM:
             return results
 
     def generate_stream(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                        arrival_times: list[float] | None = None) -> Iterator[StreamOutput]:
+                        arrival_times: list[float] | None = None,
+                        priority: list[int] | None = None) -> Iterator[StreamOutput]:
         """Like ``generate``, but yields a StreamOutput for every sequence that got a token in a step,
         as soon as that step is done (the text delta is what a chat UI would append). The stream holds
         the LLM from its first piece until it is exhausted or closed."""
         with self._generating():
             self.get_tokenizer()  # streams are text: a model without a tokenizer fails before anything is queued
-            requests = self._submit(prompts, sampling_params, arrival_times)
+            requests = self._submit(prompts, sampling_params, arrival_times, priority)
             with closing(self._steps(requests)) as steps:
                 yield from self._stream_pieces(steps, self.llm_engine.detokenizer, requests)
 

@@ -62,6 +62,9 @@ class SamplingParams:
     # vLLM's ``bad_words`` as token ids (the server tokenizes each word, with and without a leading space, as
     # vLLM's ``update_from_tokenizer``): the last id of a sequence is banned whenever the output ends with the rest
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's text options: keep the matched stop string at the end of the text; drop special tokens from it
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -137,8 +140,9 @@ class SamplingParams:
             elif any(not is_int(t) or not 0 <= t <= INT_MAX for t in self.allowed_token_ids):
                 problems.append(f"allowed_token_ids must hold token ids in [0, 2**63 - 1], got "
                                 f"{self.allowed_token_ids[:5]!r}")
-        if not isinstance(self.ignore_eos, bool):
-            problems.append(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
 

@@ -67,6 +67,7 @@ class Sequence:
         generator: torch.Generator | None = None,
         extra_keys=None,
         pending_forks: int = 0,
+        priority: int = 0,
     ):
         self.seq_id = next(_seq_ids)
         self.request_id = request_id
@@ -86,6 +87,7 @@ class Sequence:
         self.text = ""  # written only by the Detokenizer; final once the sequence has finished
         self.stop_search_from = 0  # Detokenizer: settled characters of text already searched for stop strings
         self.times = SequenceTimes(arrival=arrival_time)
+        self.priority = priority  # vLLM's: scheduling_policy="priority" runs lower values first, ties by arrival
         self.num_preemptions = 0
 
     # -- tokens --------------------------------------------------------------------------
@@ -128,7 +130,7 @@ class Sequence:
     def fork(self, index: int, generator: torch.Generator | None) -> "Sequence":
         """A child with the same tokens and progress (its KV blocks are shared by the block manager)."""
         child = Sequence(self.request_id, self.prompt_token_ids, self.params, index, self.times.arrival, generator,
-                         self.extra_keys)
+                         self.extra_keys, priority=self.priority)
         child.output_token_ids = list(self.output_token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status

@@ -10,8 +10,10 @@ The ``Detokenizer`` is the only writer of ``Sequence.text`` and ``Sequence.stop_
   such a tail back too, yet still finds a real U+FFFD that later tokens left in place), the search
   start never moves past it, and a stream never sends it, so a stop string made of such characters
   is found once they are complete.
-* Once a sequence has finished, ``seq.text`` is final: cut before the stop string that fired, or
-  the text of all its output tokens.
+* Once a sequence has finished, ``seq.text`` is final: cut before the stop string that fired (after
+  it with ``include_stop_str_in_output``, as vLLM), or the text of all its output tokens.
+* ``skip_special_tokens`` (default True, as vLLM) drops special tokens from the text; False keeps them
+  (``decode`` is then called with ``skip_special_tokens=False``).
 """
 
 from __future__ import annotations
@@ -31,13 +33,19 @@ class Detokenizer:
     def __init__(self, decode):
         self.decode = decode
 
+    def text_of(self, seq) -> str:
+        """The decoded text of ``seq``'s output tokens under its ``skip_special_tokens``."""
+        if seq.params.skip_special_tokens:
+            return self.decode(seq.output_token_ids)
+        return self.decode(seq.output_token_ids, skip_special_tokens=False)
+
     def find_stop_string(self, seq) -> str | None:
         """After a token was appended: the stop string that ends ``seq`` (``seq.text`` is then cut
-        before it), or None. Decodes only sequences that have stop strings."""
+        before it, or after it with ``include_stop_str_in_output``), or None. Decodes only sequences that have stop strings."""
         p = seq.params
         if not p.stop_strings:
             return None
-        text = self.decode(seq.output_token_ids)
+        text = self.text_of(seq)
         settled = settled_length(text)
         if len(seq.output_token_ids) >= p.min_tokens:  # text of the tokens before min_tokens is never searched
             hits = []
@@ -47,14 +55,14 @@ class Detokenizer:
                     hits.append((at, s))
             if hits:
                 at, s = min(hits)
-                seq.text = text[:at]
+                seq.text = text[:at + len(s)] if p.include_stop_str_in_output else text[:at]
                 return s
         seq.stop_search_from = settled
         return None
 
     def finish(self, seq) -> None:
         """``seq`` finished by a token rule (EOS, stop token, length): its text is all of its output."""
-        seq.text = self.decode(seq.output_token_ids)
+        seq.text = self.text_of(seq)
 
     def stream_text(self, seq) -> tuple[str, int]:
         """``(text so far, characters of it a stream may send)``. A finished sequence's text is all
@@ -62,7 +70,7 @@ class Detokenizer:
         ``len(longest stop) - 1`` settled characters, which a stop string may still claim."""
         if seq.is_finished:
             return seq.text, len(seq.text)
-        text = self.decode(seq.output_token_ids)
+        text = self.text_of(seq)
         settled = settled_length(text)
         stops = seq.params.stop_strings
         if stops:

@@ -32,6 +32,7 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None  # why the engine failed this request (finish_reason "error"), else None
+    priority: int = 0  # vLLM's: with scheduling_policy="priority", lower values are scheduled first
 
     @property
     def finished(self) -> bool:
@@ -56,8 +57,9 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids  # () -> the model's EOS ids (they grow when the tokenizer loads)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Tokenize and validate one request without queueing it."""
+        priority = check_priority(priority, self.config.scheduling_policy, f"Request {request_id}: priority")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"Request {request_id}: sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -87,13 +89,14 @@ class InputProcessor:
         if fork and params.n > c.max_num_seqs:
             raise ValueError(f"Request {request_id}: n={params.n} forked samples can never run together under "
                              f"max_num_seqs={c.max_num_seqs}; raise max_num_seqs or use parallel_sampling='fanout'")
-        req = Request(request_id, text, ids, params)
+        req = Request(request_id, text, ids, params, priority=priority)
         arrival = self.clock() if arrival_time is None else arrival_time
         # fork: one sequence now, n - 1 children at its first sample; fanout (vLLM v1): n independent
         # sequences whose seeds are seed + index, sharing the prompt only through the prefix cache
         for k in range(1 if fork or params.n == 1 else params.n):
             forks = params.n - 1 if fork and k == 0 else 0
-            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt, forks))
+            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt, forks,
+                                     priority))
         check_fits(self.kv, req.seqs[0])
         return req
 
@@ -191,6 +194,38 @@ def _arrival_offsets(arrival_times, n: int) -> list[float]:
         if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
             raise ValueError(f"arrival_times[{i}] must be a finite number of seconds >= 0 (from now), got {t!r}")
     return [float(t) for t in times]
+
+
+PRIORITY_MIN, PRIORITY_MAX = -2**63, 2**63 - 1  # a signed 64-bit integer, as the engine core's messages carry it
+
+
+def check_priority(priority, policy, what: str = "priority") -> int:
+    """One request's ``priority`` (vLLM's rule: any value but 0 needs ``scheduling_policy="priority"``; ``policy``
+    None skips that rule): an integer (not a bool) in the signed 64-bit range, returned as a plain int. ``what``
+    names it in the error."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"{what} must be an integer (lower values are scheduled first), got {priority!r}")
+    priority = int(priority)
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"{what}={priority} is out of range: use an integer in [-2**63, 2**63 - 1]")
+    if priority != 0 and policy is not None and policy != "priority":
+        raise ValueError(f"{what}={priority} is not supported: priority scheduling is not enabled "
+                         f"(scheduling_policy={policy!r}); start the engine with scheduling_policy='priority', "
+                         f"or leave priority at 0")
+    return priority
+
+
+def check_priorities(priority, n: int, policy) -> list[int]:
+    """The ``priority`` argument of one generate() call: None (all 0), or a list of one integer per prompt."""
+    if priority is None:
+        return [0] * n
+    if hasattr(priority, "tolist"):  # a NumPy array or a tensor
+        priority = priority.tolist()
+    if not isinstance(priority, SequenceABC) or isinstance(priority, (str, bytes)):
+        raise TypeError(f"priority must be a list of integers, one per prompt, got {type(priority).__name__}")
+    if len(priority) != n:
+        raise ValueError(f"Got {len(priority)} priority values for {n} prompts")
+    return [check_priority(p, policy, f"priority[{i}]") for i, p in enumerate(priority)]
 
 
 def check_max_tokens(max_tokens: int | None, num_prompt_tokens: int, max_model_len: int) -> None:

@@ -62,7 +62,7 @@ class LLMEngine:
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
         if config.fast_path:
             fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
-        if not config.enforce_eager:
+        if not config.enforce_eager and self.device.type != "cuda":  # a GPU replays CUDA graphs instead (below)
             compile_model(self.model)  # the fast path's dense pieces, compiled on first use (model/compiled.py)
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)
@@ -77,6 +77,8 @@ class LLMEngine:
         self.kv_tensors, spec = self.runner.allocate_kv_cache(config, mem_at_start)
         self.kv = build_kv_manager(config, spec, backend)
         self.runner.attach(self.kv_tensors, self.kv.block_size)
+        if not config.enforce_eager and self.device.type == "cuda":
+            self.runner.capture_graphs(config.max_num_seqs, config.max_model_len)  # vLLM's capture at start
         policy = make_policy(config)
         if not hasattr(policy, "plan"):  # a plan policy decides; any other acts through schedule(scheduler)
             require(policy, POLICY_REQUIRED, "scheduling_policy")
@@ -102,13 +104,13 @@ class LLMEngine:
             self.eos_token_ids |= eos_token_ids(self.config.model, self._tokenizer)
         return self._tokenizer
 
-    def detokenize(self, token_ids: list[int]) -> str:
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids`` (empty for a model without a tokenizer)."""
         try:
             tok = self.tokenizer
         except ValueError:
             return ""
-        return tok.decode(token_ids, skip_special_tokens=True)
+        return tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -128,9 +130,9 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, priority: int = 0) -> Request:
         """Tokenize and validate one request without queueing it (generate() checks all first)."""
-        return self.input_processor.make_request(request_id, prompt, params, arrival_time)
+        return self.input_processor.make_request(request_id, prompt, params, arrival_time, priority)
 
     def enqueue(self, reqs: Request | list[Request]) -> None:
         """Queue built requests: all of them, or (an id already in use, or used twice) none."""
@@ -146,9 +148,9 @@ class LLMEngine:
                 self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue one request; a bad one raises and nothing already running is affected."""
-        self.enqueue(self.make_request(request_id, prompt, params, arrival_time))
+        self.enqueue(self.make_request(request_id, prompt, params, arrival_time, priority))
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests wherever they are (vLLM's ``LLMEngine.abort_request``): their blocks are freed

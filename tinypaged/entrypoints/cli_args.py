@@ -14,8 +14,8 @@ import json
 import re
 from typing import Any
 
-KV_MANAGERS = ("paged", "contiguous")  # --kv-cache-manager's built-in names (EngineConfig's)
-BACKENDS = ("torch", "sdpa", "triton")  # --attention-backend's built-in names
+from tinypaged.config import ATTENTION_BACKENDS as BACKENDS
+from tinypaged.config import KV_MANAGERS, SCHEDULERS, SCHEDULING_POLICIES
 
 
 def port_number(text: str) -> int:
@@ -60,8 +60,9 @@ def plugin(text: str):
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def name_or_plugin(names: tuple[str, ...], what: str):
-    """An argparse type: one of ``names`` (a built-in), or ``MODULE:NAME`` of ``what`` (a plug-in, loaded at once)."""
+def name_or_plugin(names, what: str):
+    """An argparse type: one of ``names`` (a built-in: a registry's keys), or ``MODULE:NAME`` of ``what`` (a
+    plug-in, loaded at once)."""
     def parse(text: str):
         if text in names:
             return text
@@ -72,8 +73,16 @@ def name_or_plugin(names: tuple[str, ...], what: str):
     return parse
 
 
+def registry_help(registry: dict, plugin: str) -> str:
+    """A flag's help made from its seam's registry (``tinypaged.config``): each name, its label, then the plug-in."""
+    names = "; ".join(f"{name}: {label}" for name, label in registry.items())
+    return f"{names}; or MODULE:NAME of {plugin}".replace("%", "%%")  # argparse formats help with %
+
+
 kv_cache_manager = name_or_plugin(KV_MANAGERS, "a KV-manager factory")
 attention_backend = name_or_plugin(BACKENDS, "a decode function")
+scheduling_policy = name_or_plugin(SCHEDULING_POLICIES, "a scheduling policy")
+scheduler_cls = name_or_plugin(SCHEDULERS, "a scheduler")
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -93,12 +102,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--enable-prefix-caching", action="store_true")
     ap.add_argument("--kv-cache-manager", default=None, type=kv_cache_manager,
-                    help="paged (default), contiguous, or MODULE:NAME of a KV-manager factory to plug in (e.g. a "
-                         "learner's, from a .py file: path/to/file.py:Name)")
-    ap.add_argument("--scheduling-policy", default=None, metavar="MODULE:NAME", type=plugin)
+                    help=registry_help(KV_MANAGERS, "a KV-manager factory to plug in (e.g. a learner's, from a .py "
+                                                    "file: path/to/file.py:Name); default: paged"))
+    ap.add_argument("--scheduling-policy", default=None, type=scheduling_policy,
+                    help=registry_help(SCHEDULING_POLICIES, "a policy to plug in; default: fcfs. With priority, "
+                                                            "the requests' priority field orders them"))
+    ap.add_argument("--scheduler-cls", default=None, type=scheduler_cls,
+                    help=registry_help(SCHEDULERS, "a schedule_step-like function or a policy to plug in; default: "
+                                                   "the engine's continuous step"))
     ap.add_argument("--attention-backend", default=None, type=attention_backend,
-                    help="torch (reference), sdpa (torch's fused attention), triton, or MODULE:NAME of a decode "
-                         "function (default: sdpa, the fast path)")
+                    help=registry_help(BACKENDS, "a decode function; default: sdpa, the fast path"))
     ap.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false", default=None,
                     help="step the engine on a thread of the server's process instead of in its own engine-core "
                          "process (default: TINYPAGED_ENABLE_MULTIPROCESSING, on unless set to 0)")
@@ -183,12 +196,13 @@ def build_llm(args):
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
                  history_size=0)
     # the plug-in flags hold the loaded objects (``plugin``); a string (a caller's own namespace) is loaded here
-    for flag in ("kv_cache_manager", "scheduling_policy", "attention_backend"):
-        value = getattr(args, flag)
+    for flag in ("kv_cache_manager", "scheduling_policy", "scheduler_cls", "attention_backend"):
+        value = getattr(args, flag, None)
         if value is not None:
             if isinstance(value, PluginSpec) and value.obj is not None:
                 value = value.obj
-            elif isinstance(value, str) and value not in BACKENDS + KV_MANAGERS:
+            elif isinstance(value, str) and value not in {**BACKENDS, **KV_MANAGERS, **SCHEDULING_POLICIES,
+                                                          **SCHEDULERS}:
                 value = load_object(value)
             knobs[flag] = value
     events = getattr(args, "kv_events_config", None)
@@ -225,7 +239,7 @@ def core_args(args) -> dict:
     out = {}
     for name in ("model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching", "kv_cache_manager",
-                 "scheduling_policy", "attention_backend", "kv_events_config"):
+                 "scheduling_policy", "scheduler_cls", "attention_backend", "kv_events_config"):
         value = getattr(args, name, None)
         if dataclasses.is_dataclass(value):  # --kv-events-config, parsed: back to its JSON
             value = json.dumps(dataclasses.asdict(value))

@@ -42,6 +42,7 @@ from types import SimpleNamespace
 import msgspec
 
 from tinypaged.engine.detokenizer import Detokenizer
+from tinypaged.engine.input_processor import check_priority
 from tinypaged.entrypoints import engine_core as msg
 from tinypaged.entrypoints.engine_loop import EngineDead, Event, Overloaded, ShuttingDown, Submission
 from tinypaged.sequence import FinishReason
@@ -199,10 +200,10 @@ class CoreClient:
             self._tokenizer = load_tokenizer(self.model) or False
         return self._tokenizer or None
 
-    def _decode(self, token_ids) -> str:
-        """The engine's ``detokenize``: special tokens skipped; "" without a tokenizer (stop strings never fire)."""
+    def _decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        """The engine's ``detokenize``: "" without a tokenizer (stop strings never fire)."""
         tok = self.tokenizer
-        return "" if tok is None else tok.decode(token_ids, skip_special_tokens=True)
+        return "" if tok is None else tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     @property
     def pid(self) -> int | None:
@@ -216,7 +217,7 @@ class CoreClient:
     def next_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def submit(self, request_id: str, prompt, params, deliver) -> Submission:
+    def submit(self, request_id: str, prompt, params, deliver, priority: int = 0) -> Submission:
         """Send one (tokenized) request and wait for the core's verdict; raises ValueError/TypeError/
         NotImplementedError (the engine's checks), Overloaded, ShuttingDown or EngineDead before anything is
         queued. ``prompt`` is {"prompt_token_ids": [...]} with, optionally, its "prompt" text."""
@@ -225,9 +226,10 @@ class CoreClient:
         fut: Future = Future()
         # encoded before anything is booked: a value the message cannot carry (an integer beyond 64 bits) is a
         # ValueError here, and no slot is taken
+        priority = check_priority(priority, None, f"Request {request_id}: priority")  # the core checks the policy
         try:
             data = self._encoder.encode(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
-                                                msg.params_message(params)))
+                                                msg.params_message(params), priority=priority))
         except OverflowError as exc:
             raise ValueError(f"Request {request_id}: a number in the request does not fit in 64 bits ({exc})") \
                 from None
@@ -344,7 +346,7 @@ class CoreClient:
         s.add_token(t.token_id)
         stop = None
         if t.finish_reason is None or t.finish_reason == str(FinishReason.LENGTH):
-            stop = self.detokenizer.find_stop_string(s)  # cuts s.text before the stop string
+            stop = self.detokenizer.find_stop_string(s)  # cuts s.text at the stop string
         if stop is not None:
             s.is_finished, s.final = True, (str(FinishReason.STOP), stop)
             if t.finish_reason is None:  # still running in the core: free its blocks now

@@ -64,6 +64,7 @@ class Add(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: Params
     max_tokens_checked: bool = True  # refuse max_tokens beyond the context (the server's rule, not the LLM's)
+    priority: int = 0  # vLLM's request priority (scheduling_policy="priority"), checked by the client first
 
 
 class Abort(msgspec.Struct, tag=True):
@@ -233,7 +234,7 @@ class EngineCoreProc:
             prompt = {"prompt_token_ids": msg.prompt_token_ids}
             if msg.prompt is not None:
                 prompt["prompt"] = msg.prompt
-            req = self.engine.make_request(msg.request_id, prompt, params)
+            req = self.engine.make_request(msg.request_id, prompt, params, priority=msg.priority)
             if msg.max_tokens_checked:
                 check_max_tokens(params.max_tokens, len(req.prompt_token_ids), self.engine.config.max_model_len)
             self.engine.enqueue(req)
@@ -311,7 +312,7 @@ class EngineCoreProc:
             self.send(Outputs(tokens, finished))
 
 
-def _no_text(token_ids) -> str:
+def _no_text(token_ids, skip_special_tokens: bool = True) -> str:
     """The core's decode: no text (the server detokenizes; the core gets no stop strings to search)."""
     return ""
 

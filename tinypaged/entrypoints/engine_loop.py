@@ -106,7 +106,8 @@ class EngineLoop:
     def next_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    def submit(self, request_id: str, prompt, params, deliver: Callable[[Event], None]) -> Submission:
+    def submit(self, request_id: str, prompt, params, deliver: Callable[[Event], None],
+               priority: int = 0) -> Submission:
         """Validate and queue one request; raises ValueError/TypeError (bad request), Overloaded or
         ShuttingDown before anything is queued."""
         if not self._accepting:
@@ -117,7 +118,7 @@ class EngineLoop:
                                  f"({self.engine.config.max_num_seqs}) + max_queued ({self.max_queued})")
             self._count += 1
         try:
-            req = self._call(lambda: self.engine.make_request(request_id, prompt, params))
+            req = self._call(lambda: self.engine.make_request(request_id, prompt, params, priority=priority))
             if self.refuse_long_max_tokens:
                 from tinypaged.engine.input_processor import check_max_tokens
 

@@ -12,14 +12,15 @@ FastAPI routes on uvicorn's event loop. The engine runs in one of two ways (``Se
 
 * ``POST /v1/completions`` and ``POST /v1/chat/completions`` (the model's chat template), with
   ``stream: true`` as server-sent events (``data: {...}`` chunks, then ``data: [DONE]``) and
-  ``stream_options.include_usage`` for a last chunk carrying ``usage``;
+  ``stream_options.include_usage`` for a last chunk carrying ``usage`` (and ``continuous_usage_stats`` for the
+  running counts on every chunk);
 * ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text, vLLM's metric names);
 * a client that disconnects aborts its request at once (its blocks are freed);
 * a bad body or parameter is a 400 in OpenAI's error shape naming the field; a request that can
   never fit is a 400; past the queue bound the answer is 503; an engine failure is a 500; unknown
   routes (404), wrong methods (405) and bodies that are not UTF-8 JSON objects get the same shape;
 * a field tinypaged does not implement (``logprobs``, ``echo``, ``best_of``, penalties, vLLM's ``guided_*``,
-  ``structured_outputs``, ``use_beam_search``, ``priority``, ``skip_special_tokens``, chat's ``chat_template``, ...: the
+  ``structured_outputs``, ``use_beam_search``, chat's ``chat_template``, ...: the
   ``UNIMPLEMENTED`` tables) is a 400 naming it when it asks for something, never silently ignored;
 * a number no request can carry (an integer beyond 64 bits) is a 400 naming its field, and no failure of a call
   leaves a request of it booked (every path out of ``_serve`` aborts what it submitted);
@@ -88,7 +89,7 @@ Float = Annotated[float, BeforeValidator(_no_bool)]
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
-    continuous_usage_stats: Any = None  # vLLM's: usage in every chunk; not implemented (refused when true)
+    continuous_usage_stats: Any = None  # vLLM's: with include_usage, every chunk carries the running usage
 
 
 # Fields of OpenAI's (and vLLM's) requests that tinypaged does not implement: each is accepted only with a
@@ -120,9 +121,6 @@ UNIMPLEMENTED = {
     "prompt_embeds": lambda v, n: v is None,
     "kv_transfer_params": lambda v, n: v is None,
     "truncate_prompt_tokens": lambda v, n: v is None,
-    "include_stop_str_in_output": lambda v, n: v is None or v is False,
-    "skip_special_tokens": lambda v, n: v is None or v is True,
-    "priority": lambda v, n: v is None or v == 0,
 }
 # the chat route's own (vLLM's chat extensions); add_generation_prompt, continue_final_message and
 # chat_template_kwargs are implemented (``Server.chat_prompt``)
@@ -190,17 +188,29 @@ class _Sampling(BaseModel):
             if not off(value, self.n):
                 raise APIError(400, f"{name}={json.dumps(value, default=str)[:80]} is not supported by tinypaged's "
                                     f"server; leave {name} out (or null)", name)
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats not in (None, False):
-            value = json.dumps(self.stream_options.continuous_usage_stats, default=str)[:80]
-            raise APIError(400, f"stream_options.continuous_usage_stats={value} is not supported by tinypaged's "
-                                f"server (include_usage is: one usage chunk at the end); leave it out (or false)",
-                           "stream_options.continuous_usage_stats")
+        opts = self.stream_options
+        if opts is not None and opts.continuous_usage_stats is not None:
+            value = opts.continuous_usage_stats
+            if not isinstance(value, bool):
+                raise APIError(400, f"stream_options.continuous_usage_stats must be true or false, got "
+                                    f"{json.dumps(value, default=str)[:80]}", "stream_options.continuous_usage_stats")
+            if value and not opts.include_usage:  # vLLM ignores it then; tinypaged says so instead
+                raise APIError(400, "stream_options.continuous_usage_stats=true needs stream_options.include_usage="
+                                    "true (the running usage rides on the usage stream)",
+                               "stream_options.continuous_usage_stats")
 
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                               seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
                               stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                              min_p=self.min_p, allowed_token_ids=self.allowed_token_ids)
+                              min_p=self.min_p, allowed_token_ids=self.allowed_token_ids,
+                              include_stop_str_in_output=bool_or(self.include_stop_str_in_output, False),
+                              skip_special_tokens=bool_or(self.skip_special_tokens, True))
+
+
+def bool_or(value, default):
+    """A JSON null (or an absent field) is vLLM's default; anything else SamplingParams checks by name."""
+    return default if value is None else value
 
 
 class CompletionRequest(_Sampling):
@@ -328,6 +338,13 @@ class Server:
         return {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)}
 
     # prompts -> engine prompts ----------------------------------------------------------------
+
+    def check_prompt_count(self, count: int) -> None:
+        if count > self.max_prompts:
+            raise APIError(400, f"prompt holds {count} prompts, more than this server takes in one call: "
+                                f"max_num_seqs + max_queued ({self.max_prompts}, --max-num-seqs + "
+                                f"--max-queued-requests); send them in several calls", "prompt")
+
     def completion_prompts(self, req: CompletionRequest) -> list:
         p = req.prompt
         if isinstance(p, str):
@@ -343,10 +360,7 @@ class Server:
         else:
             raise APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "lists of token ids", "prompt")
-        if len(prompts) > self.max_prompts:
-            raise APIError(400, f"prompt holds {len(prompts)} prompts, more than this server takes in one call: "
-                                f"max_num_seqs + max_queued ({self.max_prompts}, --max-num-seqs + "
-                                f"--max-queued-requests); send them in several calls", "prompt")
+        self.check_prompt_count(len(prompts))
         top = self.vocab_size - 1
         for i, one in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -454,7 +468,7 @@ def _param_of(message: str, default: str | None) -> str | None:
     it names (``n=300 forked samples ...``, ``stop_token_ids [..] are outside ...``)."""
     first = re.sub(r"^(Invalid SamplingParams|Request [^:]*): ", "", message)
     word = re.match(r"\w+", first)
-    if word and word.group() in SAMPLING_FIELDS:
+    if word and (word.group() in SAMPLING_FIELDS or word.group() == "priority"):
         return word.group()
     for field in ("stop_token_ids", "n"):
         if re.search(rf"\b{field}\b(=\d| \[)", first):
@@ -532,6 +546,9 @@ async def _parse(request: Request, server: Server, model: type[_Sampling]) -> _S
 
     def parse():
         obj = _json_object(body)
+        many = obj.get("prompt")  # counted before validation: a half-million-prompt list is refused at once
+        if isinstance(many, list) and many and isinstance(many[0], (list, str)):  # (a list of ints is one prompt)
+            server.check_prompt_count(len(many))
         try:
             return model.model_validate(obj)
         except ValidationError as exc:
@@ -673,7 +690,8 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
             deliver = (lambda ev, i=i: aio.call_soon_threadsafe(events.put_nowait, (i, ev)))
             submitting = asyncio.ensure_future(asyncio.to_thread(
                 lambda rid=rid, prompt=prompt, deliver=deliver:
-                    server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver)))
+                    server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver,
+                                       priority=0 if req.priority is None else req.priority)))
             try:
                 sub = await asyncio.shield(submitting)
             except asyncio.CancelledError:  # the call was cancelled while its thread submits: abort what it books
@@ -700,7 +718,8 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
     call = _Call(server, call_id, chat, len(prompts) * params.n, params.n, req.return_token_ids, subs)
     if req.stream:
         usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(call.stream(events, usage), media_type="text/event-stream")
+        running = bool(usage and req.stream_options.continuous_usage_stats)
+        return StreamingResponse(call.stream(events, usage, running), media_type="text/event-stream")
     result = await call.collect(events, request)
     if isinstance(result, APIError):
         return JSONResponse(error_body(result), status_code=result.status)
@@ -804,10 +823,33 @@ class _Call:
                 "created": self.created, "model": self.server.model_name, "choices": choices, "usage": usage}
         return f"data: {json.dumps(body)}\n\n"
 
-    def stream(self, events: asyncio.Queue, include_usage: bool):
+    def stream(self, events: asyncio.Queue, include_usage: bool, running_usage: bool = False):
         """SSE chunks as tokens settle; closing the stream early (a disconnect) aborts the call. The server's
-        stream function (``create_app(stream=...)``; default ``streaming.sse_stream``, stage 8's assignment)."""
-        return self.server.sse_stream(self, events, include_usage)
+        stream function (``create_app(stream=...)``; default ``streaming.sse_stream``, stage 8's assignment).
+        ``running_usage`` (``stream_options.continuous_usage_stats``): every chunk with choices also carries the
+        call's usage so far, added here around the stream function, which stays as stage 8 wrote it."""
+        lines = self.server.sse_stream(self, events, include_usage)
+        return self._with_running_usage(lines) if running_usage else lines
+
+    async def _with_running_usage(self, lines):
+        try:
+            async for line in lines:
+                yield self._stamp_usage(line)
+        finally:  # a disconnect closes this generator: close the inner one so its own ``finally`` aborts
+            close = getattr(lines, "aclose", None)
+            if close is not None:
+                await close()
+
+    def _stamp_usage(self, line: str) -> str:
+        """``line`` with ``usage`` set to the call's counts so far (booked by ``_take`` before the chunk was
+        made), when it is a chunk with choices and no usage; other lines (errors, ``[DONE]``) as they are."""
+        if not line.startswith("data: {"):
+            return line
+        body = json.loads(line[len("data: "):])
+        if not isinstance(body, dict) or not body.get("choices") or body.get("usage") is not None:
+            return line
+        body["usage"] = self.usage()
+        return f"data: {json.dumps(body)}\n\n"
 
 
 class AccessLog:

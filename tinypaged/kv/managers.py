@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tinypaged.kv.block_manager import BlockManager
 from tinypaged.kv.contiguous import ContiguousKVManager
+from tinypaged.kv.radix_cache import RadixKVManager
 from tinypaged.interfaces import KV_REQUIRED, require
 
 
@@ -17,7 +18,8 @@ def build_kv_manager(config, spec, backend=None):
     with an attention ``backend`` that reads block tables it must also provide ``block_ids``."""
     factory = config.kv_cache_manager
     if isinstance(factory, str):  # a built-in one, by name
-        factory = {"paged": BlockManager.from_spec, "contiguous": ContiguousKVManager.from_spec}[factory]
+        factory = {"paged": BlockManager.from_spec, "contiguous": ContiguousKVManager.from_spec,
+                   "radix": RadixKVManager.factory()}[factory]  # the names of config.KV_MANAGERS
     kv = factory(spec)
     require(kv, KV_REQUIRED, "kv_cache_manager")
     if backend is not None and backend.uses_block_tables:

@@ -9,6 +9,11 @@
   arrival order with what is left. When the KV cache runs out, the most recently admitted running
   request is preempted. A step that preempted admits nothing new. What only the engine knows (forked
   samples' seats, chunked prefill switched off) its ``kv`` enforces, so the function is the lesson's.
+* priority (vLLM's ``scheduling_policy="priority"``): ``PriorityOrder`` runs the same ``schedule_step`` on the
+  requests ranked by ``(priority, arrival)``, lower first: the waiting queue in that order, and the running ones too,
+  so the step's victim, the last running request, is the one vLLM v1 preempts (the largest priority value, then the
+  latest arrival). One difference: running requests here take the token budget in that order, in vLLM v1 in
+  admission order; it matters only when the budget cannot cover every running request.
 * ``StaticBatching`` (the pre-Orca baseline, course-only): form a batch, run it until every member
   finishes, then form the next. A request joins only when the memory it could ever need is
   guaranteed, so nothing is preempted.
@@ -141,6 +146,33 @@ class PlanPolicy:
 
     def plan(self, running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
         return self.step_fn(running, waiting, budget, max_num_seqs, kv)
+
+
+def priority_key(seq) -> tuple:
+    """vLLM v1's order of requests under the priority policy: lower ``priority`` first, then earlier arrival."""
+    return seq.priority, seq.times.arrival
+
+
+class PriorityOrder:
+    """``scheduling_policy="priority"``: the continuous step (``schedule_step``, or a step function given) over the
+    requests ranked by ``priority_key``. ``waiting_order`` ranks the arrived waiting sequences (a stable sort: equal
+    keys keep queue order, so a preempted request goes back before its equals, as under fcfs); ``plan`` ranks the
+    running ones, so the step preempts the lowest-priority, latest-arrived running request first. Swapped groups
+    (``preemption_mode="swap"``, vLLM v0's, which had no priority policy) still resume before any waiting request."""
+
+    def __init__(self, step_fn=schedule_step):
+        self.inner = PlanPolicy(step_fn)
+
+    def waiting_order(self, sched):
+        queue = list(sched.waiting)
+        arrived = [s for s in queue if sched.arrived(s)]
+        if len(arrived) < 2:
+            return sched.waiting
+        return sorted(arrived, key=priority_key) + [s for s in queue if not sched.arrived(s)]
+
+    def plan(self, running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
+        ranked = sorted(running, key=lambda r: priority_key(r.seqs[0]))  # the engine's QueuedRequest
+        return self.inner.plan(ranked, waiting, budget, max_num_seqs, kv)
 
 
 # -- static batching ------------------------------------------------------------------------------------

@@ -22,8 +22,9 @@ from collections import deque
 from tinypaged.interfaces import InvariantError
 from tinypaged.sched.batch import check_no_overwrite, make_batch
 from tinypaged.sched.output import SchedulerOutput
-from tinypaged.sched.policies import PlanPolicy, StaticBatching, schedule_step
+from tinypaged.sched.policies import PlanPolicy, PriorityOrder, StaticBatching, schedule_step
 from tinypaged.sched.preemption import preempt, recompute_stuck_swapped
+from tinypaged.sched.radix_policy import CacheAwareOrder
 from tinypaged.sched.step_adapter import StepKV
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -228,17 +229,42 @@ def check_schedule(out: SchedulerOutput, sched: Scheduler) -> None:
 
 
 def make_policy(config):
-    """The policy that ``config.scheduling_policy`` names: "continuous" (``schedule_step``, vLLM v1's
-    rules), "static", a schedule_step-like function, or a policy object (or a class, built with no
-    arguments) with ``plan(running, waiting, budget, max_num_seqs, kv)`` or ``schedule(scheduler)``.
-    ``EngineConfig.verify`` has checked which one it is."""
+    """The policy that ``config.scheduling_policy`` names: "fcfs" or "continuous" (``schedule_step``, vLLM
+    v1's rules), "priority" (``PriorityOrder``: the same step over requests ranked by priority, then arrival),
+    "lpm" (stage 7's ``CacheAwareOrder("lpm")``), "static", a schedule_step-like function, or a policy object
+    (or a class, built with no arguments) with ``plan(running, waiting, budget, max_num_seqs, kv)`` or
+    ``schedule(scheduler)``. ``EngineConfig.verify`` has checked which one it is."""
     p = config.scheduling_policy
-    if isinstance(p, str) and p == "continuous":
-        return PlanPolicy(schedule_step)
-    if isinstance(p, str) and p == "static":
-        return StaticBatching()
+    if config.scheduler_cls is not None:
+        return _custom_scheduler(config.scheduler_cls, p)
+    if isinstance(p, str):
+        if p in ("fcfs", "continuous"):
+            return PlanPolicy(schedule_step)
+        if p == "priority":
+            return PriorityOrder()
+        if p == "lpm":
+            return CacheAwareOrder("lpm")
+        if p == "static":
+            return StaticBatching()
     if isinstance(p, type):
         p = p()
     if hasattr(p, "plan") or hasattr(p, "schedule"):
         return p
     return PlanPolicy(p)
+
+
+def _custom_scheduler(cls, order: str):
+    """``scheduler_cls`` (vLLM's knob for a custom scheduler) in ``order``, ``scheduling_policy``'s name:
+    "static", or a plug-in step (a function or a plan policy; "priority" and "lpm" rank the requests it plans
+    over) or policy object. ``EngineConfig.verify`` has checked that the two go together."""
+    if isinstance(cls, str):
+        return StaticBatching()
+    if isinstance(cls, type):
+        cls = cls()
+    if not (hasattr(cls, "plan") or hasattr(cls, "schedule")):
+        cls = PlanPolicy(cls)
+    if order == "priority":
+        return PriorityOrder(cls.plan)
+    if order == "lpm":
+        return CacheAwareOrder("lpm", inner=cls)
+    return cls
