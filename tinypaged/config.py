@@ -291,17 +291,7 @@ def verify_policy(config: EngineConfig) -> None:
     p = config.scheduling_policy
     if p is None:
         p = config.scheduling_policy = "fcfs"
-    if isinstance(p, str):
-        if p not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy={p!r}: use 'fcfs', 'priority', 'lpm', 'static', a "
-                             f"schedule_step-like function or a policy object with schedule(scheduler)")
-    elif isinstance(p, type) and not _is_policy(p):
-        raise TypeError(f"scheduling_policy={p.__name__} is a class without a schedule(scheduler) method "
-                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
-    elif not _is_policy(p) and not (callable(p) and _accepts_arguments(p, 5)):
-        raise TypeError(f"scheduling_policy must be 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like function "
-                        f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) "
-                        f"or plan(running, waiting, budget, max_num_seqs, kv); got {p!r}")
+    _check_scheduler_value("scheduling_policy", p, SCHEDULING_POLICIES, "'fcfs', 'priority', 'lpm', 'static'")
     verify_scheduler_cls(config)
     static = "scheduling_policy" if isinstance(p, str) and p == "static" else \
         "scheduler_cls" if isinstance(config.scheduler_cls, str) else None
@@ -313,21 +303,27 @@ def verify_policy(config: EngineConfig) -> None:
                          f"'static') or use scheduling_policy='fcfs'.")
 
 
+def _check_scheduler_value(knob: str, value, names, spelled: str) -> None:
+    """A scheduling knob's value: one of ``names``, a policy object or class, or a schedule_step-like function."""
+    if isinstance(value, str):
+        if value not in names:
+            raise ValueError(f"{knob}={value!r}: use {spelled}, a schedule_step-like function or a policy object "
+                             f"(or class) with schedule(scheduler) or plan(running, waiting, budget, max_num_seqs, kv)")
+    elif isinstance(value, type) and not _is_policy(value):
+        raise TypeError(f"{knob}={value.__name__} is a class without a schedule(scheduler) method "
+                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
+    elif not _is_policy(value) and not (callable(value) and _accepts_arguments(value, 5)):
+        raise TypeError(f"{knob} must be {spelled}, a schedule_step-like function (running, waiting, budget, "
+                        f"max_num_seqs, kv) or an object with schedule(scheduler) or plan(running, waiting, budget, "
+                        f"max_num_seqs, kv); got {value!r}")
+
+
 def verify_scheduler_cls(config: EngineConfig) -> None:
     """``scheduler_cls``: None, "static", a step function or a policy, and an order it can run in."""
     cls, p = config.scheduler_cls, config.scheduling_policy
     if cls is None:
         return
-    if isinstance(cls, str):
-        if cls not in SCHEDULERS:
-            raise ValueError(f"scheduler_cls={cls!r}: use 'static', a schedule_step-like function or a policy "
-                             f"object (or class) with plan(...) or schedule(scheduler)")
-    elif isinstance(cls, type) and not _is_policy(cls):
-        raise TypeError(f"scheduler_cls={cls.__name__} is a class without a schedule(scheduler) method "
-                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
-    elif not _is_policy(cls) and not (callable(cls) and _accepts_arguments(cls, 5)):
-        raise TypeError(f"scheduler_cls must be 'static', a schedule_step-like function (running, waiting, budget, "
-                        f"max_num_seqs, kv) or an object with schedule(scheduler) or plan(...); got {cls!r}")
+    _check_scheduler_value("scheduler_cls", cls, SCHEDULERS, "'static'")
     if not isinstance(p, str) or p == "static":
         raise ValueError(f"scheduler_cls and scheduling_policy={p!r} both name a scheduler: give it once, as "
                          f"scheduler_cls, and leave scheduling_policy to the order ('fcfs', 'priority', 'lpm')")
