@@ -275,3 +275,27 @@ for h in json.load(open(sys.argv[1])):
     out.append({"ts": b.ts, "rank": b.data_parallel_rank, "events": evs})
 print(json.dumps({"how": how, "batches": out}))
 """
+
+
+def test_the_prefix_cache_records_only_when_asked():
+    from tinypaged import LLM
+    from tinypaged.config import EngineConfig
+    from tinypaged.kv import events as records
+    from tinypaged.kv.block_pool import PrefixCache
+
+    with pytest.raises(ValueError, match="enable_kv_cache_events.*enable_prefix_caching"):
+        EngineConfig(model="tiny", enable_kv_cache_events=True)
+    quiet = LLM("tiny", device="cpu", block_size=BS, num_gpu_blocks_override=12, enable_prefix_caching=True)
+    assert quiet.llm_engine.kv.events is None and type(quiet.llm_engine.kv.allocator) is PrefixCache
+    assert quiet.llm_engine.kv.take_events() == []
+    llm = LLM("tiny", device="cpu", block_size=BS, num_gpu_blocks_override=12, enable_prefix_caching=True,
+              enable_kv_cache_events=True)
+    got = []
+    llm.llm_engine.set_kv_event_sink(got.append)  # each step's records, as the server's publisher gets them
+    llm.generate([{"prompt_token_ids": BASE}], GREEDY)
+    stored = [r for batch in got for r in batch]
+    assert [type(r) for r in stored] == [records.BlockStored]
+    assert stored[0].block_hashes == hash_chain(BASE[:12], BS) and stored[0].token_ids == BASE[:12]
+    assert stored[0].parent_block_hash is None and stored[0].block_size == BS
+    llm.generate([{"prompt_token_ids": LONG}], GREEDY)  # 10 more blocks in a 12-block cache: evictions
+    assert any(isinstance(r, records.BlockRemoved) for batch in got for r in batch)

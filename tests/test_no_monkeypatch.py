@@ -131,12 +131,9 @@ class A:
 
 
 # Patches still in the package when this test was written (2026-12-04): each is to be replaced by a hook its owner
-# provides (issue #47 item 4: KV events from the prefix cache's own event list; call counters and step profiles
-# the engine owns). The test fails on any patch not listed here, and on a listed one that is gone (shrink the list).
+# provides (issue #47 item 4: call counters and step profiles the engine owns). The test fails on any patch
+# not listed here, and on a listed one that is gone (shrink the list).
 KNOWN: dict[tuple[str, str], str] = {
-    ("entrypoints/kv_events.py", "engine.step = step_and_publish"): "KV events: the core should drain the KV manager's events",
-    ("entrypoints/kv_events.py", "parts.hash_chain, cache.register, cache.allocate = hash_chain, register, allocate"):
-        "KV events: the prefix cache should record its own stored/removed blocks",
     ("course/checks/serving.py", "setattr(obj, name, call)"): "call counting in the serving checks",
     ("course/checks/stage08.py", "llm.llm_engine.step = step_maybe_slowly"): "stage 8's slow-step check",
     ("course/checks/stage08.py", "llm.llm_engine.abort_request = counted_abort"): "stage 8's abort counting",

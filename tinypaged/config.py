@@ -67,7 +67,8 @@ NUMBERS = {
 }
 OPTIONAL = {"max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_tokens",
             "max_num_batched_tokens", "enable_chunked_prefill", "check_invariants"}
-BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "fast_path", "enforce_eager")
+BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "fast_path", "enforce_eager",
+         "enable_kv_cache_events")
 
 
 @dataclass
@@ -97,6 +98,9 @@ class EngineConfig:
     kv_cache_tokens: int | None = None  # capacity in tokens (either layout), handy in lessons
     # stage 3
     enable_prefix_caching: bool = False
+    # vLLM's name (its KVEventsConfig): the prefix cache records which blocks it stores and removes; the engine
+    # drains them each step for a KV-event publisher (serve --kv-events-config). Needs enable_prefix_caching.
+    enable_kv_cache_events: bool = False
     parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
     # stage 4: scheduling_policy is vLLM's "fcfs" (continuous batching in arrival order; "continuous" is the same) or
     # "priority" (lower request priority first, ties by arrival; preemption takes the lowest priority), "lpm" (stage 7,
@@ -187,6 +191,8 @@ class EngineConfig:
             bad(f"attention_backend='triton': {triton_mode.WHY_UNAVAILABLE}; use attention_backend='torch'")
         if self.enable_prefix_caching and self.kv_layout != "paged":
             bad("enable_prefix_caching shares blocks, so it needs a paged KV manager (kv_cache_manager='paged' or a paged factory)")
+        if self.enable_kv_cache_events and not self.enable_prefix_caching:
+            bad("enable_kv_cache_events reports the prefix cache's blocks: it needs enable_prefix_caching=True")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
             bad(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "

@@ -34,6 +34,7 @@ class KVCacheSpec:
     reservation_policy: str = "max"  # contiguous only
     num_cpu_blocks: int = 0  # swap space (preemption_mode="swap", vLLM v0)
     copy_block: Callable[[int, int], None] | None = None  # copy-on-write: copy block src -> dst now
+    enable_kv_cache_events: bool = False  # record the prefix cache's changes (take_events), vLLM's knob
 
     @property
     def capacity_tokens(self) -> int:

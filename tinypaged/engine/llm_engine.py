@@ -90,6 +90,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(Detokenizer(self.detokenize), eos_token_ids(config.model),
                                                 config.max_model_len)
         self.requests: dict[str, Request] = {}
+        self.kv_event_sink = None  # set_kv_event_sink: where each step's KV events go
         self._t0 = time.perf_counter()
         self.metrics = EngineMetrics(config.history_size, self.clock)
 
@@ -177,9 +178,27 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # -- one iteration -----------------------------------------------------------------------
+    def set_kv_event_sink(self, sink) -> None:
+        """``sink(records)`` receives the KV manager's events (``tinypaged.kv.events``) after every step that
+        made some, as vLLM v1's scheduler hands its KV cache manager's events to the publisher; None stops it."""
+        if sink is not None and not callable(getattr(self.kv, "take_events", None)):
+            raise ValueError(f"KV events need a KV manager that records them (take_events); "
+                             f"{type(self.kv).__name__} has none")
+        self.kv_event_sink = sink
+
     def step(self, select_tokens=None) -> StepResult:
         """Schedule, run the model, sample, update progress. ``select_tokens(seqs, logits)`` replaces
-        sampling for callers that choose tokens themselves (beam search); it then owns their progress."""
+        sampling for callers that choose tokens themselves (beam search); it then owns their progress.
+        Then the step's KV events, if anyone takes them."""
+        try:
+            return self._step(select_tokens)
+        finally:
+            if self.kv_event_sink is not None:
+                events = self.kv.take_events()
+                if events:
+                    self.kv_event_sink(events)
+
+    def _step(self, select_tokens) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
         result = StepResult(self.metrics.counters["num_steps"], out.scheduled, {}, out.preempted, [])

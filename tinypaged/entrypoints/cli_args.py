@@ -211,6 +211,8 @@ def build_llm(args):
 
         events = parse_config(events)
     check_kv_events(args)
+    if events is not None and events.enabled:
+        knobs["enable_kv_cache_events"] = True  # the prefix cache records its changes (tinypaged/kv/events.py)
     llm = LLM(args.model, **knobs)
     if events is not None and events.enabled:
         from tinypaged.entrypoints import kv_events

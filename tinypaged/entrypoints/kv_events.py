@@ -22,14 +22,16 @@ real caches instead of guessing them from the prompts it routed. tinypaged publi
   them as opaque keys (vllm-router hashes the token ids itself and uses the engine's hashes to chain a
   block to its parent and to find a removed block).
 
-Where the events come from, without touching the lessons' classes (``kv/block_pool.py``'s ``PrefixCache`` is
-graded code): ``attach`` wraps three calls on the engine's own manager object, only when events are on: its
-``parts.hash_chain`` (remembers which tokens and parent each new hash covers), its free queue's ``register``
-(a block that starts to hold a prefix: ``BlockStored``) and ``allocate`` (a cached block handed out again, its
-prefix forgotten: ``BlockRemoved``); and ``engine.step``, after which the step's events go out as one batch.
-That is vLLM's granularity: one event per block whose hash enters or leaves the cache, a prefix-cache hit
-stores nothing. ``AllBlocksCleared`` goes out when the publisher closes (the replica's cache is gone; a
-course addition: vLLM sends it on ``/reset_prefix_cache``, which tinypaged has not).
+Where the events come from: the prefix cache's own event list (``tinypaged/kv/events.py``), filled only when the
+engine is built with ``enable_kv_cache_events`` (``build_llm`` sets it from this flag): the paged KV manager
+records a block whose hash enters the cache when it registers it (``BlockStored``; it knows the block's tokens and
+its parent's hash there), and its free queue, a subclass of the lessons' ``PrefixCache`` (graded code, so left as
+it is), records a cached block handed out again, its prefix forgotten (``BlockRemoved``). The engine drains the
+list after each step and hands it to ``EventSink``, which sends the step's events as one batch, as vLLM v1's
+scheduler takes its KV cache manager's events after each step. That is vLLM's granularity: one event per block
+whose hash enters or leaves the cache, a prefix-cache hit stores nothing. ``AllBlocksCleared`` goes out when the
+publisher closes (the replica's cache is gone; a course addition: vLLM sends it on ``/reset_prefix_cache``,
+which tinypaged has not).
 
 Endpoints (one course difference): vLLM binds an endpoint with ``*`` or ``::`` (and ``ipc://``, ``inproc://``)
 and connects to any other. tinypaged also *binds* a loopback address (``tcp://127.0.0.1:P``,
@@ -49,6 +51,8 @@ from collections import deque
 from typing import Any, Union
 
 import msgspec
+
+from tinypaged.kv import events as records
 
 logger = logging.getLogger("tinypaged")
 
@@ -276,87 +280,36 @@ class ZmqEventPublisher:
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 
-# -- the observer: the engine's prefix cache -> events -------------------------------------------------------
-class KVEventRecorder:
-    """Turns the engine's prefix-cache changes into vLLM's events (see the module docstring). Built by
-    ``attach``; ``take()`` returns and forgets the events recorded since the last call."""
+# -- the engine's records -> vLLM's events ------------------------------------------------------------------
+class EventSink:
+    """What the engine calls after a step with its KV manager's records (``tinypaged.kv.events``): converts them
+    to vLLM's event structs and publishes them as one batch."""
 
-    def __init__(self, manager, medium: str = MEDIUM_GPU):
-        cache = getattr(manager, "allocator", None)
-        parts = getattr(manager, "parts", None)
-        if not getattr(manager, "enable_prefix_caching", False):
-            raise ValueError(f"{FLAG}: KV events describe the prefix cache: add --enable-prefix-caching")
-        if not all(hasattr(cache, a) for a in ("register", "allocate", "hash_of", "index", "queue")) \
-                or not hasattr(parts, "hash_chain"):
-            raise ValueError(f"{FLAG}: KV events need the paged KV manager with its prefix cache (kv/block_pool.py's "
-                             f"PrefixCache); {type(manager).__name__} has none")
-        self.manager, self.cache, self.medium = manager, cache, medium
-        self.block_size = manager.block_size
-        self._events: list = []
-        self._chains: dict[bytes, tuple] = {}  # hash -> (parent hash, token ids), for the hashes computed this step
-        self._run: BlockStored | None = None  # the BlockStored being extended (consecutive blocks of one chain)
-        orig_chain, orig_register, orig_allocate = parts.hash_chain, cache.register, cache.allocate
+    def __init__(self, publisher, medium: str = MEDIUM_GPU):
+        self.publisher, self.medium = publisher, medium
 
-        def hash_chain(token_ids, block_size, extra_keys=None, known=()):
-            hashes = orig_chain(token_ids, block_size, extra_keys, known)
-            for i in range(len(known), len(hashes)):
-                self._chains[hashes[i]] = (hashes[i - 1] if i else None,
-                                           list(token_ids[i * block_size:(i + 1) * block_size]))
-            return hashes
-
-        def register(block_id, block_hash):
-            fresh = cache.hash_of.get(block_id) != block_hash
-            orig_register(block_id, block_hash)
-            if fresh:
-                self._stored(block_hash)
-
-        def allocate():
-            head = next(iter(cache.queue), None)
-            old = cache.hash_of.get(head) if head is not None else None
-            block_id = orig_allocate()
-            if old is not None and cache.hash_of.get(block_id) is None:
-                self._run = None
-                self._events.append(BlockRemoved(block_hashes=[old], medium=self.medium))
-            return block_id
-
-        parts.hash_chain, cache.register, cache.allocate = hash_chain, register, allocate
-
-    def _stored(self, block_hash: bytes) -> None:
-        parent, tokens = self._chains.get(block_hash, (None, None))
-        if tokens is None:  # a hash computed elsewhere (swap-in re-registers none; a plug-in might)
-            logger.warning("KV events: a block was registered with a hash of unknown tokens; not published")
-            return
-        run = self._run
-        if run is not None and run.block_hashes[-1] == parent:  # the next block of the same chain: one event
-            run.block_hashes.append(block_hash)
-            run.token_ids.extend(tokens)
-            return
-        self._run = BlockStored(block_hashes=[block_hash], parent_block_hash=parent, token_ids=list(tokens),
-                                block_size=self.block_size, lora_id=None, medium=self.medium, lora_name=None)
-        self._events.append(self._run)
-
-    def take(self) -> list:
-        events, self._events, self._run = self._events, [], None
-        self._chains.clear()
-        return events
+    def __call__(self, recorded: list) -> None:
+        out = []
+        for r in recorded:
+            if isinstance(r, records.BlockStored):
+                out.append(BlockStored(block_hashes=list(r.block_hashes), parent_block_hash=r.parent_block_hash,
+                                       token_ids=list(r.token_ids), block_size=r.block_size, lora_id=None,
+                                       medium=self.medium, lora_name=None))
+            elif isinstance(r, records.BlockRemoved):
+                out.append(BlockRemoved(block_hashes=list(r.block_hashes), medium=self.medium))
+        if out:
+            self.publisher.publish(KVEventBatch(ts=time.time(), events=out))
 
 
 def attach(engine, config: KVEventsConfig, publisher=None):
-    """Publish ``engine``'s KV events after each of its steps (``engine.step`` is wrapped on this instance).
-    Returns the publisher (``close()`` it to stop); ``publisher`` replaces the ZeroMQ one (tests)."""
-    recorder = KVEventRecorder(engine.kv)
+    """Publish ``engine``'s KV events after each of its steps: the engine must have been built with
+    ``enable_kv_cache_events=True`` (its prefix cache then records them). Returns the publisher (``close()`` it to
+    stop); ``publisher`` replaces the ZeroMQ one (tests)."""
+    if getattr(engine.kv, "events", None) is None:
+        raise ValueError(f"{FLAG}: KV events describe the prefix cache: build the engine with "
+                         f"--enable-prefix-caching (enable_kv_cache_events=True on the paged KV manager)")
     publisher = publisher or ZmqEventPublisher(config)
-    step = engine.step
-
-    def step_and_publish(*args, **kwargs):
-        try:
-            return step(*args, **kwargs)
-        finally:
-            events = recorder.take()
-            if events:
-                publisher.publish(KVEventBatch(ts=time.time(), events=events))
-
-    engine.step = step_and_publish
+    engine.set_kv_event_sink(EventSink(publisher))
     engine.kv_event_publisher = publisher
     atexit.register(publisher.close)  # a process that ends normally says its cache is gone
     return publisher

@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 from tinypaged.attention.backends import slot_mapping
 from tinypaged.kv.block_pool import BlockAllocator, PrefixCache, blocks_needed, hash_chain
+from tinypaged.kv.events import KVEventLog, recording_cache
 from tinypaged.kv.swap_space import SwapSpace
 
 
@@ -136,7 +137,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 copy_block=None, num_cpu_blocks: int = 0, max_model_len: int | None = None, **parts):
+                 copy_block=None, num_cpu_blocks: int = 0, max_model_len: int | None = None,
+                 enable_kv_cache_events: bool = False, **parts):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if num_blocks < 1:
@@ -145,7 +147,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.allocator = (self.parts.PrefixCache if enable_prefix_caching else self.parts.BlockAllocator)(num_blocks)
+        # KV events (vLLM's enable_kv_cache_events): the prefix cache's changes as records, drained by take_events
+        self.events = KVEventLog(block_size) if enable_kv_cache_events and enable_prefix_caching else None
+        cache_cls = self.parts.PrefixCache if self.events is None else recording_cache(self.parts.PrefixCache, self.events)
+        self.allocator = (cache_cls if enable_prefix_caching else self.parts.BlockAllocator)(num_blocks)
         self.block_tables = self.parts.BlockTables(self.allocator, block_size)
         self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
         self.refcounts: dict[int, int] = {}  # block -> how many tables hold it (no entry: free)
@@ -172,7 +177,7 @@ class BlockManager:
     @classmethod
     def from_spec(cls, spec, **parts) -> "BlockManager":
         return cls(spec.num_blocks, spec.block_size, spec.enable_prefix_caching, spec.copy_block,
-                   spec.num_cpu_blocks, spec.max_model_len, **parts)
+                   spec.num_cpu_blocks, spec.max_model_len, spec.enable_kv_cache_events, **parts)
 
     @classmethod
     def factory(cls, **parts):
@@ -239,7 +244,15 @@ class BlockManager:
                                                                  known)
         table = self.tables[seq.seq_id]
         for i in range(len(known), full):
+            fresh = self.events is not None and self.allocator.hash_of.get(table[i]) != hashes[i]
             self.allocator.register(table[i], hashes[i])
+            if fresh:  # a block whose hash enters the cache (a prefix-cache hit registers nothing new)
+                bs = self.block_size
+                self.events.stored(hashes[i], hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
+
+    def take_events(self) -> list:
+        """The KV events recorded since the last call (``tinypaged.kv.events`` records), oldest first."""
+        return self.events.take() if self.events is not None else []
 
     # -- allocation ---------------------------------------------------------------------
     def _copy_on_write(self, table: list[int], start: int) -> bool:

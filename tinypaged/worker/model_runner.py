@@ -204,7 +204,7 @@ class ModelRunner:
         tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
                                  self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
         spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
-                           cpu_blocks, tensors.copy_block)
+                           cpu_blocks, tensors.copy_block, c.enable_kv_cache_events)
         # stage 6's max_concurrency, for the log line only: a student edition's is the learner's, unwritten in an
         # earlier stage's class (it raises NotImplementedError, which no engine start should fail on)
         try:
