@@ -69,7 +69,7 @@ class EagerReplay:
     """A stand-in for a CUDA graph on any device: replay re-runs the function into the captured output
     tensor, so the caller sees exactly what a graph replay gives it (the same tensor, new values)."""
 
-    def __init__(self, pool=None):
+    def __init__(self):
         self.fn = self.out = None
         self.replays = 0
 
