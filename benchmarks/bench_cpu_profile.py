@@ -67,8 +67,9 @@ def main():
     prompts, outs = workload(args.requests, args.scale)
     print(f"SmolLM2-135M float32 on CPU ({torch.get_num_threads()} torch threads), {len(prompts)} requests, "
           f"{sum(outs)} output tokens, max_num_seqs {args.batch}; ms per engine step (share of the step)", flush=True)
-    runs = {"tinypaged reference (fast_path=False)": profile_tinypaged(prompts, outs, args.batch, fast_path=False),
-            "tinypaged fast path (default)": profile_tinypaged(prompts, outs, args.batch, fast_path=True)}
+    runs = {"tinypaged, attention_backend='torch'": profile_tinypaged(prompts, outs, args.batch,
+                                                                    attention_backend="torch"),
+            "tinypaged (default)": profile_tinypaged(prompts, outs, args.batch)}
     rows = []
     for name, r in runs.items():
         ms = lambda sec: 1e3 * sec / r["steps"]  # noqa: E731

@@ -266,7 +266,7 @@ def run_vllm(args):
 
         torch.set_num_threads(args.cores)
         with quiet():
-            llm = LLM("smollm2-135m", device="cpu", dtype="float32", seed=0, scheduling_policy="continuous", kv_cache_manager="paged",
+            llm = LLM("smollm2-135m", device="cpu", dtype="float32", seed=0, scheduling_policy="fcfs", kv_cache_manager="paged",
                       block_size=bs, num_gpu_blocks_override=blocks, max_num_seqs=common["max_num_seqs"],
                       max_model_len=common["max_model_len"], max_num_batched_tokens=512)
             replay(llm, with_rate(trace[:4], 1000.0), "vllm")  # warm-up

@@ -4,8 +4,8 @@
     python benchmarks/bench_throughput.py --quick   # 32 requests, lengths x 1/16 (2-3 minutes)
 
 Part 1 (SmolLM2-135M, float32, CPU, the same requests for every system, all arriving at t=0):
-  tinypaged static, tinypaged continuous (on its default fast path, and with fast_path=False, the
-  reference path of lessons 1-3), transformers `generate` on left-padded static batches
+  tinypaged static, tinypaged continuous (its one forward, and with attention_backend="torch", the
+  reference attention of lessons 2-3), transformers `generate` on left-padded static batches
   of the same size, and transformers' own paged continuous batching (the manager behind
   `generate_batch`). Output lengths are forced (ignore_eos + max_tokens) so every system does the
   same useful work. Then the continuous run's exact batches are replayed through the bare model
@@ -13,8 +13,8 @@ Part 1 (SmolLM2-135M, float32, CPU, the same requests for every system, all arri
 Part 1b (where the vLLM environment exists, `bash scripts/vllm_env.sh`): the same requests on the real
   vLLM (its CPU build, compiled graph, in a subprocess) and on tinypaged continuous, both with
   max_num_seqs = --batch, block_size 32 (the smallest vLLM's CPU attention takes) and the same --cores
-  CPU cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1); tinypaged on its eager fast path, or compiled with
-  --compile (enforce_eager=False, as vLLM), its threads and binding chosen as vLLM's CPU backend does
+  CPU cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-(N-1); tinypaged's one eager forward (a CPU has no CUDA graphs),
+  its threads and binding chosen as vLLM's CPU backend does
   (tinypaged.model.cpu_threads, auto: the given cores less any another process keeps busy; --bind to
   override)); tokens/s, the ratio tinypaged / vLLM, how each side was bound, warm-up (compile) apart, and
   whether the greedy tokens are equal. --neighbour keeps the last core busy with a bounded burner process
@@ -185,12 +185,13 @@ def part1(args):
     common = dict(max_num_seqs=B, kv_cache_tokens=8192, block_size=16, max_model_len=512)
     # warm up (first calls pay one-off allocation costs)
     run_tinypaged("smollm2-135m", prompts[:2], [2, 2], **common)
-    static = run_tinypaged("smollm2-135m", prompts, outs, scheduling_policy="static", **common)
+    static = run_tinypaged("smollm2-135m", prompts, outs, scheduler_cls="static", **common)
     recorded = []
     cont = run_tinypaged("smollm2-135m", prompts, outs, record=recorded, max_num_batched_tokens=512, **common)
     raw = replay_raw(cont["llm"].llm_engine.model, recorded)
     del recorded
-    reference = run_tinypaged("smollm2-135m", prompts, outs, max_num_batched_tokens=512, fast_path=False, **common)
+    reference = run_tinypaged("smollm2-135m", prompts, outs, max_num_batched_tokens=512, attention_backend="torch",
+                              **common)
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     hf_static = run_hf_static(hf, prompts, outs, B, pad_id=2)
@@ -206,9 +207,9 @@ def part1(args):
 
     rows = [row("tinypaged static", static, static["metrics"]["num_steps"],
                 f"idle slots {100 * static['metrics']['idle_slot_fraction']:.1f}%"),
-            row("tinypaged continuous", cont, cont["metrics"]["num_steps"], "fast path (default)"),
-            row("tinypaged continuous, fast_path=False", reference, reference["metrics"]["num_steps"],
-                "reference path"),
+            row("tinypaged continuous", cont, cont["metrics"]["num_steps"], "default (sdpa attention)"),
+            row("tinypaged continuous, attention_backend='torch'", reference, reference["metrics"]["num_steps"],
+                "the lessons' reference attention"),
             row("transformers generate (padded static)", hf_static)]
     if hf_cb:
         rows.append(row("transformers continuous (generate_batch's manager)", hf_cb, "",
@@ -226,7 +227,7 @@ def part1(args):
         print(f"  tinypaged continuous / transformers CB:       {tput(cont) / tput(hf_cb):.2f}x")
     print(f"  static batching idle-slot fraction: {100 * static['metrics']['idle_slot_fraction']:.1f}% "
           f"(slot-steps where a finished request waits for its batch)")
-    print(f"  fast path / reference path (tinypaged continuous): {tput(cont) / tput(reference):.2f}x")
+    print(f"  default / torch attention (tinypaged continuous): {tput(cont) / tput(reference):.2f}x")
     print(f"  raw model limit: the continuous run's {cont['metrics']['num_steps']} batches through the bare forward "
           f"take {raw:.1f} s vs {cont['wall']:.1f} s in the engine: engine = {100 * raw / cont['wall']:.1f}% "
           f"of the raw model throughput (target >= 95%)")
@@ -266,7 +267,7 @@ def part1b(args):
         state: dict = {}
         # tinypaged: the same cores; threads and binding as vLLM's CPU backend chooses them
         # (tinypaged.model.cpu_threads: TINYPAGED_CPU_OMP_THREADS_BIND, default auto); chosen once vLLM waits
-        kw = dict(common, num_gpu_blocks_override=blocks, enforce_eager=not args.compile)
+        kw = dict(common, num_gpu_blocks_override=blocks)
 
         def between(n):
             if n == 0:
@@ -294,7 +295,7 @@ def part1b(args):
     v = dict(vs[0], wall=statistics.median(x["wall"] for x in vs))
     same = min(sum(a == b for a, b in zip(ours, x["tokens"])) for x in vs)
     v_lat = sum(f - a for f, a in zip(v["finished"], v["arrival"])) / len(outs)
-    mode = "compiled (enforce_eager=False)" if args.compile else "eager fast path (enforce_eager=True)"
+    mode = "one eager forward"
     rows = [[f"tinypaged continuous, {mode}", tokens, f"{tp['wall']:.1f}", f"{tokens / tp['wall']:.1f}",
              f"{tp['latency']:.1f}", tp["metrics"]["num_steps"]],
             ["vLLM 0.32.0 (CPU build, compiled)", tokens, f"{v['wall']:.1f}", f"{tokens / v['wall']:.1f}", f"{v_lat:.1f}",
@@ -315,7 +316,7 @@ def part1b(args):
     print(f"  warm-up, not timed: vLLM start-up (load + compile) {warm['engine_start_s']:.0f} s in its subprocess "
           f"(warm-up run {warm['wall']:.1f} s; part 1b took {v_total:.0f} s in all); tinypaged warm-up run "
           f"{t_warm:.1f} s on the timed "
-          f"engine ({'compile or inductor cache' if args.compile else 'no compile'}, weights packed for oneDNN, "
+          f"engine (weights packed for oneDNN, "
           f"{B} requests)")
     print(f"  load average while it ran (1 min): {os.getloadavg()[0]:.2f}")
     return {"tinypaged_pinned": tokens / tp["wall"], "vllm": tokens / v["wall"], "cores": cores,
@@ -327,7 +328,7 @@ def summary(p1: dict, p1b: dict) -> None:
     def line(label, value):
         print(f"  {label + ':':44s}{value}")
 
-    print("\nSummary (tinypaged = continuous batching on its default fast path; output tokens/s)")
+    print("\nSummary (tinypaged = continuous batching, its defaults; output tokens/s)")
     if p1:
         line("tinypaged (part 1)", f"{p1['tinypaged']:.1f}  (reference path {p1['reference']:.1f})")
     if p1b:
@@ -394,9 +395,6 @@ def main():
     ap.add_argument("--skip-vllm", action="store_true", help="skip part 1b (the real vLLM)")
     ap.add_argument("--neighbour", action="store_true",
                     help="part 1b: keep the last of --cores busy with a bounded burner process (a busy laptop)")
-    ap.add_argument("--compile", action="store_true",
-                    help="part 1b: run tinypaged compiled (enforce_eager=False, as vLLM does by default); default "
-                         "eager: on this CPU the compiled pieces measured no faster (the GEMMs dominate)")
     ap.add_argument("--bind", default=None, help="part 1b: tinypaged's TINYPAGED_CPU_OMP_THREADS_BIND (auto, nobind, "
                                                  "0-1, ...; default: the environment's, else auto)")
     args = ap.parse_args()

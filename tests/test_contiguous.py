@@ -185,10 +185,10 @@ def tiny(**kw):
     return LLM("tiny", **kw)
 
 
-@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+@pytest.mark.parametrize("scheduler", ["static", None])
 def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
     """40 slots, 18 reserved per request (oracle: 10 + 8): two at a time, the rest wait their turn."""
-    llm = tiny(kv_cache_manager="contiguous", reservation_policy="oracle", scheduling_policy=scheduler)
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="oracle", scheduler_cls=scheduler)
     kv = llm.llm_engine.kv
     seen = []
 
@@ -213,7 +213,7 @@ def test_full_arena_makes_requests_wait_and_stats_add_up(scheduler):
 
 
 def test_max_policy_reserves_max_model_len_per_request():
-    llm = tiny(kv_cache_manager="contiguous", reservation_policy="max", scheduling_policy="static", kv_cache_tokens=130)
+    llm = tiny(kv_cache_manager="contiguous", reservation_policy="max", scheduler_cls="static", kv_cache_tokens=130)
     running = []
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=4),
                  on_step=lambda s: running.append(llm.get_metrics()["kv_reserved_tokens"]))
@@ -233,7 +233,7 @@ def test_never_fitting_request_is_a_clear_value_error():
 def test_contiguous_gives_the_same_tokens_as_paged_and_transformers():
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    contiguous = tiny(kv_cache_manager="contiguous", reservation_policy="pow2", scheduling_policy="static").generate(prompts, params)
+    contiguous = tiny(kv_cache_manager="contiguous", reservation_policy="pow2", scheduler_cls="static").generate(prompts, params)
     paged = tiny(kv_cache_manager="paged", block_size=4, kv_cache_tokens=256).generate(prompts, params)
     hf = tiny_hf_model(seed=0).double()
     for p, c, pg in zip(PROMPTS, contiguous, paged):

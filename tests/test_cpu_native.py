@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from tinypaged import LLM, SamplingParams, cpu_native
 from tinypaged.attention.backends import DecodeBatch
 from tinypaged.attention.sdpa import SDPABackend
-from tinypaged.model.fused import rope, rope_tables
-from test_fast_path import run  # greedy tokens and every step's logits, prompts in chunks beside decodes
+from test_one_forward import run  # greedy tokens and every step's logits, prompts in chunks beside decodes
 
 BUILDABLE = sys.platform.startswith("linux") and cpu_native.compiler() is not None
 
@@ -43,17 +42,38 @@ def test_add_rms_norm_adds_in_place_then_normalises(ops):
     assert torch.equal(alone, x)  # no residual: x is not touched
 
 
-def test_rope_rotates_only_the_heads_asked_for_in_place(ops):
+def rope_case():
+    """A [4 tokens, 15 heads, 64] qkv, its tables (cos, signed sin: ``RotaryEmbedding``'s) and Hugging Face's
+    rotation of its first 12 heads (``cat(-x2, x1) * sin``)."""
     g = torch.Generator().manual_seed(1)
     qkv = torch.randn(4, 15, 64, generator=g)
     positions = torch.tensor([0, 5, 130, 511])
     inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
     angles = positions.float()[:, None] * inv[None]
-    cos, signed_sin = rope_tables(torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin())
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1)
+    x = qkv[:, :12]
+    expected = x * cos[:, None] + torch.cat((-x[..., 32:], x[..., :32]), -1) * sin[:, None]
+    return qkv, cos, signed_sin, expected
+
+
+def test_rope_rotates_only_the_heads_asked_for_in_place(ops):
+    qkv, cos, signed_sin, expected = rope_case()
     rotated = qkv.clone()
-    ops.rope_(rotated, cos[:, 0], signed_sin[:, 0], 12)
-    torch.testing.assert_close(rotated[:, :12], rope(qkv[:, :12], cos, signed_sin), rtol=1e-6, atol=1e-6)
+    ops.rope_(rotated, cos, signed_sin, 12)
+    torch.testing.assert_close(rotated[:, :12], expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(rotated[:, 12:], qkv[:, 12:])  # the values' heads
+
+
+def test_the_models_rope_without_the_operators_is_the_same_rotation(monkeypatch):
+    from tinypaged.model.llama import rotate_
+
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    qkv, cos, signed_sin, expected = rope_case()
+    rotated = qkv.clone()
+    rotate_(rotated, 12, cos, signed_sin)
+    torch.testing.assert_close(rotated[:, :12], expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(rotated[:, 12:], qkv[:, 12:])
 
 
 def test_silu_mul_equals_silu_times_up_over_a_wide_range(ops):
@@ -131,10 +151,10 @@ def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch
             return lambda *a: calls.__setitem__(name, calls[name] + 1) or fn(*a)
 
     monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
-    tokens, logits, _ = run(True, dtype="float32", **kw)
+    tokens, logits, _ = run(False, dtype="float32", **kw)
     assert all(count > 0 for count in calls.values()), calls
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)
-    ref_tokens, ref_logits, _ = run(True, dtype="float32", **kw)
+    ref_tokens, ref_logits, _ = run(False, dtype="float32", **kw)
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) > 10
     for a, b in zip(ref_logits, logits):
@@ -187,7 +207,7 @@ def test_a_failed_build_leaves_nothing_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.delenv(cpu_native.ENV, raising=False)
     assert cpu_native.build(quiet=True) is None
-    assert "exited 3" in cpu_native._state["why"] and "no such header" in cpu_native._state["why"]
+    assert "c++ failed" in cpu_native._state["why"] and "no such header" in cpu_native._state["why"]
     left = [p.name for p in (tmp_path / "cache").iterdir()]
     assert all(name.endswith(".lock") for name in left), left  # no half-built folder
     shutil.rmtree(tmp_path / "cache")

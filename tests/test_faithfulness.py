@@ -81,17 +81,19 @@ def test_n_larger_than_max_num_seqs_is_refused_for_fork():
 # -- 4: swap keeps sharing --------------------------------------------------------------------------
 def test_swap_out_and_in_keeps_shared_blocks_shared():
     t = KVCacheTensors(1, 32, 1, 2, __import__("torch").float32, "cpu", block_size=4, num_cpu_blocks=8)
-    bm = BlockManager(8, 4, copy_block=t.copy_block, num_cpu_blocks=8)
+    bm = BlockManager(8, 4, num_cpu_blocks=8)
     parent = Sequence("r", list(range(16)), SamplingParams())
     assert bm.allocate_slots(parent, 16)
     parent.num_computed_tokens = 16
     child = parent.fork(1, None)
     bm.fork(parent, child)
     assert bm.num_blocks - bm.num_free_blocks == 4
-    bm.swap_out([parent, child], t.copy_to_cpu)
+    bm.swap_out([parent, child])
+    t.move_blocks(*bm.take_block_moves())  # the worker's part: the manager only decides
     assert bm.num_free_blocks == 8 and len(bm.cpu_free) == 4, "shared blocks move to CPU once"
     assert bm.can_swap_in([parent, child])
-    bm.swap_in([parent, child], t.copy_to_gpu)
+    bm.swap_in([parent, child])
+    t.move_blocks(*bm.take_block_moves())
     assert bm.num_blocks - bm.num_free_blocks == 4 and bm.block_ids(parent) == bm.block_ids(child)
     assert bm.stats()["kv_blocks_shared"] == 4 and len(bm.cpu_free) == 8
 
@@ -101,7 +103,7 @@ def test_swap_in_leaves_room_for_the_next_token():
     seq = Sequence("r", list(range(16)), SamplingParams())
     bm.allocate_slots(seq, 16)
     seq.num_computed_tokens = 16
-    bm.swap_out([seq], lambda g, c: None)
+    bm.swap_out([seq])
     other = Sequence("o", [1], SamplingParams())
     bm.allocate_slots(other, 1)  # 4 free: the 4 swapped blocks fit, the next token would not
     assert not bm.can_swap_in([seq])
@@ -264,7 +266,7 @@ def test_fanout_shares_the_prompt_only_through_the_prefix_cache():
 
 # -- metrics ask the KV manager, never its type --------------------------------------------------------
 @pytest.mark.parametrize("kw", [dict(kv_cache_manager="contiguous", reservation_policy="max", kv_cache_tokens=400,
-                                     num_gpu_blocks_override=None, scheduling_policy="static"),
+                                     num_gpu_blocks_override=None, scheduler_cls="static"),
                                 dict(kv_cache_manager="paged", parallel_sampling="fork")], ids=["contiguous", "paged-fork"])
 def test_kv_waste_is_allocated_slots_minus_slots_holding_tokens(kw):
     llm = tiny(**kw)

@@ -48,7 +48,7 @@ def no_model_load(monkeypatch):
     (dict(enable_prefix_caching="False"), TypeError, r"enable_prefix_caching must be True or False, got 'False'"),
     (dict(enable_chunked_prefill="False"), TypeError, r"enable_chunked_prefill must be True or False.*'False'"),
     (dict(check_invariants=1), TypeError, r"check_invariants must be True or False.*got 1"),
-    (dict(fast_path="yes"), TypeError, r"fast_path must be True or False, got 'yes'"),
+    (dict(enforce_eager="yes"), TypeError, r"enforce_eager must be True or False, got 'yes'"),
     (dict(max_num_seqs=2.5), TypeError, r"max_num_seqs must be an integer >= 1, got 2.5"),
     (dict(max_num_seqs=True), TypeError, r"max_num_seqs must be an integer"),
     (dict(max_model_len=2.5), TypeError, r"max_model_len must be an integer >= 1.*got 2.5"),
@@ -121,20 +121,20 @@ def test_kv_cache_manager_factories_that_take_a_spec_are_accepted():
 
 
 # -- the one policy knob ------------------------------------------------------------------------------
-def test_scheduling_policy_is_the_one_knob_and_defaults_to_fcfs():
+def test_scheduling_policy_is_the_order_and_defaults_to_fcfs():
     c = config()
     assert c.scheduling_policy == "fcfs" and not hasattr(c, "scheduler") and not c.has_plugins
     assert isinstance(make_policy(c), PlanPolicy)
-    assert isinstance(make_policy(config(scheduling_policy="continuous")), PlanPolicy)  # the course's first name
-    assert isinstance(make_policy(config(scheduling_policy="static")), StaticBatching)
-    assert config(scheduling_policy=schedule_step).has_plugins
+    assert isinstance(make_policy(config(scheduler_cls="static")), StaticBatching)
+    assert config(scheduler_cls=schedule_step).has_plugins
 
 
 @pytest.mark.parametrize("policy, error, words", [
-    ("fifo", ValueError, r"scheduling_policy='fifo': use 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like"),
-    (5, TypeError, r"scheduling_policy must be 'fcfs', 'priority', 'lpm', 'static', a schedule_step-like function"),
-    (lambda: None, TypeError, r"scheduling_policy must be .*\(running, waiting, budget, max_num_seqs, kv\)"),
-    (type("NoSchedule", (), {}), TypeError, r"scheduling_policy=NoSchedule is a class without a schedule"),
+    ("fifo", ValueError, r"scheduling_policy='fifo': use 'fcfs', 'priority', 'lpm'; a scheduler of your own is "
+                         r"scheduler_cls="),
+    (5, TypeError, r"scheduling_policy must be 'fcfs', 'priority', 'lpm' \(or None: 'fcfs'\), got 5"),
+    (lambda: None, ValueError, r"scheduling_policy=<lambda> is now scheduler_cls=<lambda>"),
+    (type("NoSchedule", (), {}), ValueError, r"scheduling_policy=NoSchedule is now scheduler_cls=NoSchedule"),
 ])
 def test_bad_scheduling_policy(policy, error, words):
     with pytest.raises(error, match=words):
@@ -142,12 +142,12 @@ def test_bad_scheduling_policy(policy, error, words):
 
 
 def test_the_removed_scheduler_alias_is_an_unknown_knob():
-    """``scheduler=`` was the deprecated alias of ``scheduling_policy``; one knob per decision now."""
+    """``scheduler=`` was the deprecated alias of the old ``scheduling_policy``; one knob per decision now."""
     with pytest.raises(TypeError, match="scheduler"):
         config(scheduler="static")
 
 
-@pytest.mark.parametrize("old, new", [("kv_cache", "kv_cache_manager"), ("scheduler", "scheduling_policy")])
+@pytest.mark.parametrize("old, new", [("kv_cache", "kv_cache_manager"), ("scheduler", "scheduler_cls")])
 def test_a_merged_knob_names_the_one_that_replaced_it(old, new):
     """One knob per decision: ``LLM(kv_cache=...)`` (merged into ``kv_cache_manager``) and ``scheduler=`` fail
     before any model is loaded, naming the knob to use instead."""
@@ -166,15 +166,15 @@ def test_the_layout_follows_the_kv_manager():
 
 def test_chunked_prefill_is_on_where_the_policy_can_split_prompts():
     assert config().enable_chunked_prefill is True  # vLLM v1's default
-    assert config(scheduling_policy=schedule_step).enable_chunked_prefill is True
-    assert config(scheduling_policy="static").enable_chunked_prefill is False
-    assert config(scheduling_policy="static", enable_chunked_prefill=False).enable_chunked_prefill is False
+    assert config(scheduler_cls=schedule_step).enable_chunked_prefill is True
+    assert config(scheduler_cls="static").enable_chunked_prefill is False
+    assert config(scheduler_cls="static", enable_chunked_prefill=False).enable_chunked_prefill is False
     assert config(enable_chunked_prefill=False).enable_chunked_prefill is False
 
 
 def test_static_with_chunked_prefill_is_a_contradiction_naming_both_knobs():
-    with pytest.raises(ValueError, match="enable_chunked_prefill=True contradicts scheduling_policy='static'"):
-        config(scheduling_policy="static", enable_chunked_prefill=True)
+    with pytest.raises(ValueError, match="enable_chunked_prefill=True contradicts scheduler_cls='static'"):
+        config(scheduler_cls="static", enable_chunked_prefill=True)
 
 
 # -- SamplingParams and BeamSearchParams --------------------------------------------------------------

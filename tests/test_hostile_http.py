@@ -78,7 +78,8 @@ def no_model_load(monkeypatch):
 
 @pytest.mark.parametrize("flags, words", [
     (["--kv-cache-manager", "nosuchmodule:X"], "argument --kv-cache-manager: no module named 'nosuchmodule'"),
-    (["--scheduling-policy", "nosuchmodule.sub:X"], "argument --scheduling-policy: no module named 'nosuchmodule'"),
+    (["--scheduler-cls", "nosuchmodule.sub:X"], "argument --scheduler-cls: no module named 'nosuchmodule'"),
+    (["--scheduling-policy", "static"], "argument --scheduling-policy: static is now --scheduler-cls static"),
     (["--attention-backend", "nosuchmodule:f"], "argument --attention-backend: no module named 'nosuchmodule'"),
     (["--attention-backend", "cuda"], "argument --attention-backend: 'cuda': give torch, sdpa, triton, or MODULE:NAME"),
     (["--kv-cache-manager", "json:NoSuchName"], "argument --kv-cache-manager: json has no 'NoSuchName'"),

@@ -142,7 +142,7 @@ KNOWN: dict[tuple[str, str], str] = {
     ("lab/serving.py", "llm_engine.load_model = original"): "the lab's model cache",
     ("lab/step_profile.py", 'F.linear = self.timed("linear", F.linear)'): "the step profiler's timers",
     ("lab/step_profile.py", 'llm_engine.sample = self.timed("sample", llm_engine.sample)'): "the step profiler's timers",
-    ("lab/step_profile.py", "F.linear, FusedLinear.__call__, SingleLinear.__call__, ForwardContext.attend, "
+    ("lab/step_profile.py", "F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, "
                             "llm_engine.sample = saved"): "the step profiler's timers",
 }
 

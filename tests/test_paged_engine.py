@@ -99,7 +99,7 @@ def test_smollm2_paged_matches_contiguous(monkeypatch):
     assert all(len(t) == 32 for t in token_ids(paged))
 
 
-@pytest.mark.parametrize("scheduler", ["static", "continuous"])
+@pytest.mark.parametrize("scheduler", ["static", None])
 def test_four_block_cache_serves_many_requests_a_few_at_a_time(scheduler):
     """4 blocks of 8 tokens; 12 requests of up to 12 tokens each. Static batching reserves each
     request's worst case (2 blocks) before admitting it, so it never preempts; continuous batching
@@ -107,7 +107,7 @@ def test_four_block_cache_serves_many_requests_a_few_at_a_time(scheduler):
     prompts = token_prompts([3, 6, 4, 5, 2, 6, 3, 4, 5, 6, 2, 3], seed=1)
     params = greedy(6)
     reference = token_ids(tiny(kv_cache_manager="paged", block_size=8, kv_cache_tokens=1024).generate(prompts, params))
-    llm = tiny(kv_cache_manager="paged", block_size=8, num_gpu_blocks_override=4, scheduling_policy=scheduler)
+    llm = tiny(kv_cache_manager="paged", block_size=8, num_gpu_blocks_override=4, scheduler_cls=scheduler)
     engine = llm.llm_engine
     seen = []
 

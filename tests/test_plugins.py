@@ -1,6 +1,6 @@
 """The engine's plug-in points, driven by small third-party-style implementations defined here.
 
-Each of ``kv_cache_manager``, ``scheduling_policy`` and ``attention_backend`` gets an implementation
+Each of ``kv_cache_manager``, ``scheduler_cls`` and ``attention_backend`` gets an implementation
 written from scratch (no tinypaged internals), which must produce the built-in engine's greedy
 tokens; all three together serve SmolLM2 and match transformers. Broken plug-ins must be stopped
 by the engine with a message naming the broken rule: at construction (a missing method) or at the
@@ -140,13 +140,13 @@ def test_kv_cache_manager_plugin_survives_preemption():
     assert llm.get_metrics()["num_preemptions"] > 0
 
 
-def test_scheduling_policy_plugin_serves_the_engine():
-    llm = LLM("tiny", scheduling_policy=fcfs_step, **{**TINY, "num_gpu_blocks_override": 14})
+def test_scheduler_cls_plugin_serves_the_engine():
+    llm = LLM("tiny", scheduler_cls=fcfs_step, **{**TINY, "num_gpu_blocks_override": 14})
     assert tokens(llm) == reference_tokens()
     assert llm.get_metrics()["num_preemptions"] > 0, "the workload must make the policy preempt"
 
 
-def test_scheduling_policy_object_plugin():
+def test_scheduler_cls_object_plugin():
     from tinypaged.sched.policies import PlanPolicy, schedule_step
 
     class Logged(PlanPolicy):  # a plan policy only decides: the scheduler's adapter applies its plan
@@ -156,7 +156,7 @@ def test_scheduling_policy_object_plugin():
             Logged.steps += 1
             return super().plan(running, waiting, budget, max_num_seqs, kv)
 
-    llm = LLM("tiny", scheduling_policy=Logged(schedule_step), **TINY)
+    llm = LLM("tiny", scheduler_cls=Logged(schedule_step), **TINY)
     assert tokens(llm) == reference_tokens() and Logged.steps > 0
 
 
@@ -173,7 +173,7 @@ def test_all_three_plugins_serve_smollm2_like_transformers():
 
     llm = LLM("smollm2-135m", dtype="float32", device="cpu", block_size=16, num_gpu_blocks_override=32,
               max_model_len=256, max_num_seqs=4, kv_cache_manager=StackBlockManager,
-              scheduling_policy=fcfs_step, attention_backend=loop_decode)
+              scheduler_cls=fcfs_step, attention_backend=loop_decode)
     prompts = ["The capital of France is", "Once upon a time"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
@@ -199,7 +199,7 @@ def test_missing_method_fails_at_construction():
     with pytest.raises(TypeError, match="lacks required member.*free"):
         LLM("tiny", kv_cache_manager=NoFree, **TINY)
     with pytest.raises(TypeError, match="schedule"):
-        LLM("tiny", scheduling_policy=type("NoSchedule", (), {"plan": None})(), **TINY)
+        LLM("tiny", scheduler_cls=type("NoSchedule", (), {"plan": None})(), **TINY)
     with pytest.raises(TypeError, match="decode"):
         LLM("tiny", attention_backend=type("WriteOnly", (), {"write": None, "uses_block_tables": True})(), **TINY)
 
@@ -220,7 +220,7 @@ def test_policy_over_max_num_seqs_is_refused_or_caught():
         return fcfs_step(running, waiting, budget, 10**9, kv)
 
     # a step function acts through the engine's kv, which refuses a waiting request the seats it does not have
-    llm = LLM("tiny", scheduling_policy=greedy_admit, **{**TINY, "max_num_seqs": 2})
+    llm = LLM("tiny", scheduler_cls=greedy_admit, **{**TINY, "max_num_seqs": 2})
     running = []
     outs = llm.generate(PROMPTS, GREEDY, on_step=lambda st: running.append(len(llm.llm_engine.scheduler.running)))
     assert max(running) == 2 and [o.outputs[0].token_ids for o in outs] == reference_tokens()
@@ -236,7 +236,7 @@ def test_policy_over_max_num_seqs_is_refused_or_caught():
                     out.scheduled.append(ScheduledSeq(seq, 1))
             return out
 
-    llm = LLM("tiny", scheduling_policy=AdmitAll(), **{**TINY, "max_num_seqs": 2})
+    llm = LLM("tiny", scheduler_cls=AdmitAll(), **{**TINY, "max_num_seqs": 2})
     with pytest.raises(InvariantError, match="max_num_seqs=2"):
         llm.generate(PROMPTS, GREEDY)
 
@@ -245,7 +245,7 @@ def test_policy_over_the_token_budget_is_caught():
     def whole_prompts(running, waiting, budget, max_num_seqs, kv):
         return fcfs_step(running, waiting, 10**9, max_num_seqs, kv)
 
-    llm = LLM("tiny", scheduling_policy=whole_prompts, **TINY)
+    llm = LLM("tiny", scheduler_cls=whole_prompts, **TINY)
     with pytest.raises(InvariantError, match="max_num_batched_tokens=32"):
         llm.generate(PROMPTS, GREEDY)
 
@@ -256,7 +256,7 @@ def test_policy_scheduling_without_allocating_is_caught():
 
         return SimpleNamespace(scheduled=[(r, 1) for r in list(waiting)[:1]], preempted=[])
 
-    llm = LLM("tiny", scheduling_policy=no_alloc, **TINY)
+    llm = LLM("tiny", scheduler_cls=no_alloc, **TINY)
     with pytest.raises(InvariantError, match="allocate exactly what you schedule"):
         llm.generate(PROMPTS, GREEDY)
 
@@ -267,6 +267,6 @@ def test_policy_returning_ids_is_caught():
         plan.scheduled = [(r.request_id, n) for r, n in plan.scheduled]
         return plan
 
-    llm = LLM("tiny", scheduling_policy=ids_plan, **TINY)
+    llm = LLM("tiny", scheduler_cls=ids_plan, **TINY)
     with pytest.raises(InvariantError, match="not their ids"):
         llm.generate(PROMPTS, GREEDY)

@@ -65,7 +65,7 @@ def leftovers(cache: Path) -> list[str]:
     the built CPU operators: ``tinypaged.cpu_native``), their lock files and the grader's own folder (student editions
     and the sandbox's readable model copy: ``tinypaged.course.grading.sandbox.grader_cache``)."""
     done = [NAME] + [p.name for p in cache.glob("tiny-seed*") if p.is_dir() and ml._tiny_complete(p)]
-    done += [p.name for p in cache.glob("cpu-ops-*") if (p / "cpu_ops.so").is_file()]
+    done += [p.name for p in cache.glob("cpu-ops-*") if any(p.glob("*.so"))]  # builds of this and older versions
     keep = {"grading", *done, *(name + ".lock" for name in done)}
     return sorted(p.name for p in cache.iterdir() if p.name not in keep)
 

@@ -43,7 +43,7 @@ def finish_order(llm, prompts, priority=None, params=PARAMS):
 # -- the knob -----------------------------------------------------------------------------------------------------
 def test_policy_names_are_vllms():
     assert EngineConfig(model="tiny").scheduling_policy == "fcfs"  # vLLM's default
-    for name in ("fcfs", "priority", "lpm", "static", "continuous"):
+    for name in ("fcfs", "priority", "lpm"):
         assert EngineConfig(model="tiny", scheduling_policy=name).scheduling_policy == name
     with pytest.raises(ValueError, match=r"scheduling_policy='fifo': use 'fcfs', 'priority', 'lpm'"):
         EngineConfig(model="tiny", scheduling_policy="fifo")
@@ -66,8 +66,9 @@ def test_serve_flag_takes_the_policy_names():
 
     ap = argparse.ArgumentParser()
     add_arguments(ap)
-    for name in ("fcfs", "priority", "lpm", "static"):
+    for name in ("fcfs", "priority", "lpm"):
         assert ap.parse_args(["--scheduling-policy", name]).scheduling_policy == name
+    assert ap.parse_args(["--scheduler-cls", "static"]).scheduler_cls == "static"
     with pytest.raises(SystemExit):
         ap.parse_args(["--scheduling-policy", "fifo"])
 
@@ -309,8 +310,6 @@ def test_scheduler_cls_takes_static_and_plug_ins_in_the_policy_s_order():
     (dict(scheduler_cls="orca"), ValueError, r"scheduler_cls='orca': use 'static', a schedule_step-like function"),
     (dict(scheduler_cls=5), TypeError, r"scheduler_cls must be 'static', a schedule_step-like function"),
     (dict(scheduler_cls=type("NoPlan", (), {})), TypeError, r"scheduler_cls=NoPlan is a class without a schedule"),
-    (dict(scheduler_cls="static", scheduling_policy="static"), ValueError,
-     r"scheduler_cls and scheduling_policy='static' both name a scheduler"),
     (dict(scheduler_cls="static", scheduling_policy="priority"), ValueError,
      r"scheduling_policy='priority' orders the requests a step function plans over: scheduler_cls='static' admits"),
     (dict(scheduler_cls="static", enable_chunked_prefill=True), ValueError,

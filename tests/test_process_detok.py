@@ -245,10 +245,13 @@ def test_the_core_sends_token_ids_only_and_stops_one_sample_when_told():
     ``StopSample`` frees one sample's blocks at once; the last sample stopped ends the request."""
     import msgspec
 
-    from tinypaged import LLM, SamplingParams
+    from tinypaged import SamplingParams
+    from tinypaged.config import EngineConfig
+    from tinypaged.engine.llm_engine import LLMEngine
     from tinypaged.entrypoints import engine_core as ec
 
-    engine = LLM("tiny", dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=64).llm_engine
+    config = EngineConfig(model="tiny", dtype="float32", device="cpu", block_size=4, num_gpu_blocks_override=64)
+    engine = LLMEngine(config, detokenize=False)  # as the core's main builds it: the server owns text
     try:
         tok = engine.tokenizer
     except ValueError:
@@ -301,13 +304,13 @@ def _client_with(params, n_requests=1):
     from tinypaged.entrypoints.engine_loop import Submission
 
     client = CoreClient({"model": "tiny"})
-    client._in, client._tokenizer = _Socket(), _Tokenizer()
+    client.channel.to_core, client.outputs._tokenizer = _Socket(), _Tokenizer()
     events = []
     for k in range(n_requests):
         rid = f"r{k}"
-        client._live[rid] = Submission(rid, events.append, 3, params.n)
-        client._texts[rid] = (params, {})
-        client._count += 1
+        client.requests.live[rid] = Submission(rid, events.append, 3, params.n)
+        client.requests.texts[rid] = (params, {})
+        client.requests.count += 1
     return client, events
 
 
@@ -325,13 +328,13 @@ def test_the_server_side_detokenizer_cuts_stops_the_sample_in_the_core_and_drops
     client._handle(ec.Outputs([tok("r0", 0, 3), tok("r0", 1, 4)], []))  # "abcde": "cd" spans two tokens
     client._handle(ec.Outputs([tok("r0", 0, 4), tok("r0", 1, 4, "length")], []))  # 0: made before StopSample
     client._handle(ec.Outputs([], [ec.Finished("r0", [ec.Choice(0, "abort", None), ec.Choice(1, "length", None)])]))
-    sent = [msgspec.msgpack.decode(m, type=ec.ToCore) for m in client._in.sent]
+    sent = [msgspec.msgpack.decode(m, type=ec.ToCore) for m in client.channel.to_core.sent]
     assert sent == [ec.StopSample("r0", 0)]
     text = {i: "".join(e.text for e in events if e.index == i) for i in (0, 1)}
     assert text == {0: "ab", 1: "abfff"}  # cut before the stop string; held-back text all sent by the end
     assert sum(len(e.token_ids) for e in events if e.index == 0) == 3  # the surplus token was dropped
     ends = [(e.index, e.finish_reason, e.stop_reason) for e in events if e.finished]
-    assert ends == [(0, "stop", "cd"), (1, "length", None)] and client.num_in_flight == 0 and not client._texts
+    assert ends == [(0, "stop", "cd"), (1, "length", None)] and client.num_in_flight == 0 and not client.requests.texts
 
 
 def test_a_decode_that_raises_fails_its_request_only():
@@ -342,7 +345,7 @@ def test_a_decode_that_raises_fails_its_request_only():
 
     client, events = _client_with(SamplingParams(max_tokens=4), n_requests=2)
     client._handle(ec.Outputs([ec.Token("r0", 0, 66), ec.Token("r1", 0, 1)], []))
-    assert [msgspec.msgpack.decode(m, type=ec.ToCore) for m in client._in.sent] == [ec.Abort(["r0"])]
+    assert [msgspec.msgpack.decode(m, type=ec.ToCore) for m in client.channel.to_core.sent] == [ec.Abort(["r0"])]
     assert [(e.request_id, e.finished, e.error is not None) for e in events] == [("r0", True, True),
                                                                                  ("r1", False, False)]
     assert events[1].text == "ab" and client.num_in_flight == 1

@@ -282,8 +282,8 @@ def test_plugins_cross_to_the_core_as_their_spec(tmp_path):
     assert callable(args.kv_cache_manager.obj)  # loaded here once, so a bad one is refused before anything starts
     sent = json.loads(json.dumps(cli_args.core_args(args)))
     assert sent["kv_cache_manager"] == f"{tmp_path / 'my_manager.py'}:Manager" and sent["attention_backend"] == "sdpa"
-    args.scheduling_policy = object()  # a caller's own object cannot cross: refused naming the flag
-    with pytest.raises(ValueError, match="--scheduling-policy: the engine core process loads plug-ins by their"):
+    args.scheduler_cls = object()  # a caller's own object cannot cross: refused naming the flag
+    with pytest.raises(ValueError, match="--scheduler-cls: the engine core process loads plug-ins by their"):
         cli_args.core_args(args)
 
 

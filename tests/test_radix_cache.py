@@ -283,11 +283,11 @@ def test_every_manager_and_order_gives_the_same_tokens():
     _, base = _generate()
     want = [o.outputs[0].token_ids for o in base]
     runs = {
-        "hashed, lpm": dict(enable_prefix_caching=True, scheduling_policy=CacheAwareOrder("lpm")),
-        "radix page 1, fcfs": dict(kv_cache_manager=RadixKVManager.factory(1), scheduling_policy=schedule_step),
-        "radix page 4, lpm": dict(kv_cache_manager=RadixKVManager.factory(), scheduling_policy=CacheAwareOrder()),
+        "hashed, lpm": dict(enable_prefix_caching=True, scheduler_cls=CacheAwareOrder("lpm")),
+        "radix page 1, fcfs": dict(kv_cache_manager=RadixKVManager.factory(1), scheduler_cls=schedule_step),
+        "radix page 4, lpm": dict(kv_cache_manager=RadixKVManager.factory(), scheduler_cls=CacheAwareOrder()),
         "radix page 1, dfs-weight": dict(kv_cache_manager=RadixKVManager.factory(1),
-                                         scheduling_policy=CacheAwareOrder("dfs-weight")),
+                                         scheduler_cls=CacheAwareOrder("dfs-weight")),
     }
     hits = {}
     for name, kw in runs.items():
@@ -311,7 +311,7 @@ def test_same_step_prefix_sharing_passes_the_slot_check():
     from tinypaged import LLM, SamplingParams
     from tinypaged.sched.policies import schedule_step
 
-    llm = LLM("tiny", enable_prefix_caching=True, scheduling_policy=schedule_step, block_size=4, kv_cache_tokens=256)
+    llm = LLM("tiny", enable_prefix_caching=True, scheduler_cls=schedule_step, block_size=4, kv_cache_tokens=256)
     p = {"prompt_token_ids": list(range(1, 40))}
     outs = llm.generate([p, p], SamplingParams(max_tokens=3, temperature=0.0))
     assert outs[1].metrics.num_cached_tokens == 36
@@ -364,7 +364,7 @@ def test_cache_aware_order_changes_what_the_engine_admits(order, repeat_first):
     from tinypaged import LLM, SamplingParams
 
     llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=1,
-              kv_cache_manager=RadixKVManager.factory(1), scheduling_policy=CacheAwareOrder(order))
+              kv_cache_manager=RadixKVManager.factory(1), scheduler_cls=CacheAwareOrder(order))
     first, other = list(range(10, 22)), list(range(50, 62))
     admitted = []
     llm.generate([{"prompt_token_ids": p} for p in (first, other, first)],
@@ -547,7 +547,7 @@ def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy
     for order in ("lpm", "dfs-weight"):
         llm = LLM("tiny", block_size=4, kv_cache_tokens=160, max_num_seqs=1, check_invariants=True,
                   kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=AssignmentTree),
-                  scheduling_policy=CacheAwareOrder(order))
+                  scheduler_cls=CacheAwareOrder(order))
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == want, order
         m = llm.get_metrics()
@@ -581,7 +581,7 @@ def test_a_page_size_1_tree_serves_any_page_size(page_size, order):
     for name, factory in (("engine's", RadixTree), ("assignment's", AssignmentTree)):
         llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=2, check_invariants=True,
                   kv_cache_manager=RadixKVManager.factory(page_size, tree_factory=factory),
-                  scheduling_policy=CacheAwareOrder(order))
+                  scheduler_cls=CacheAwareOrder(order))
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         llm.llm_engine.scheduler.kv.check_invariants()  # whole pages in every key, every page in one place
         m = llm.get_metrics()

@@ -30,12 +30,12 @@ def token_ids(outs):
 @functools.lru_cache(maxsize=None)
 def reference():
     """Static batching, one request at a time, plenty of memory: the plainest possible schedule."""
-    return token_ids(tiny(scheduling_policy="static", max_num_seqs=1, num_gpu_blocks_override=256).generate(PROMPTS, PARAMS))
+    return token_ids(tiny(scheduler_cls="static", max_num_seqs=1, num_gpu_blocks_override=256).generate(PROMPTS, PARAMS))
 
 
 CONFIGS = {
-    "static-4": dict(scheduling_policy="static", max_num_seqs=4),
-    "static-8-contiguous": dict(scheduling_policy="static", max_num_seqs=8, kv_cache_manager="contiguous", kv_cache_tokens=1024),
+    "static-4": dict(scheduler_cls="static", max_num_seqs=4),
+    "static-8-contiguous": dict(scheduler_cls="static", max_num_seqs=8, kv_cache_manager="contiguous", kv_cache_tokens=1024),
     "seqs-1": dict(max_num_seqs=1),
     "seqs-2": dict(max_num_seqs=2),
     "seqs-8": dict(max_num_seqs=8),
@@ -70,7 +70,7 @@ def test_smollm2_static_equals_continuous_with_chunks_and_preemption():
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village,"]
     sp = SamplingParams(temperature=0, max_tokens=6)
     base = dict(device="cpu", block_size=4, max_model_len=64)
-    static = LLM("smollm2-135m", scheduling_policy="static", num_gpu_blocks_override=64, **base).generate(prompts, sp)
+    static = LLM("smollm2-135m", scheduler_cls="static", num_gpu_blocks_override=64, **base).generate(prompts, sp)
     cont = LLM("smollm2-135m", max_num_seqs=3, max_num_batched_tokens=8, num_gpu_blocks_override=7, **base)
     outs = cont.generate(prompts, sp)
     assert token_ids(outs) == token_ids(static)
@@ -251,7 +251,7 @@ def test_impossible_configs_name_the_knob(kw, knob):
 
 @pytest.mark.parametrize("kw", [
     dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
-    dict(scheduling_policy="static", max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
+    dict(scheduler_cls="static", max_num_batched_tokens=64, max_model_len=128, max_num_seqs=8),
 ])
 def test_budget_below_max_model_len_needs_chunked_prefill(kw):
     with pytest.raises(ValueError, match="max_num_batched_tokens.*max_model_len.*enable_chunked_prefill"):
@@ -261,7 +261,7 @@ def test_budget_below_max_model_len_needs_chunked_prefill(kw):
 def test_static_batching_leaves_idle_slots_continuous_does_not_wait():
     sp = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in [2, 20, 2, 20]]
     prompts = PROMPTS[:4]
-    static = tiny(scheduling_policy="static", max_num_seqs=2, num_gpu_blocks_override=256)
+    static = tiny(scheduler_cls="static", max_num_seqs=2, num_gpu_blocks_override=256)
     static.generate(prompts, sp)
     cont = tiny(max_num_seqs=2, num_gpu_blocks_override=256)
     cont.generate(prompts, sp)
@@ -386,21 +386,21 @@ def test_a_lesson_shaped_step_runs_every_configuration_like_the_builtin(kw, n):
               for i in range(8)]
 
     def run(policy):
-        llm = tiny(scheduling_policy=policy, **kw)
+        llm = tiny(scheduler_cls=policy, **kw)
         steps = []
         outs = llm.generate(prompts, params, on_step=steps.append)
         base = int(steps[0].scheduled[0].seq.request_id)
         trace = [[(int(s.seq.request_id) - base, s.num_tokens) for s in st.scheduled] for st in steps]
         return trace, [[c.token_ids for c in o.outputs] for o in outs], llm.get_metrics()["num_preemptions"]
 
-    builtin = run("continuous")
+    builtin = run(None)  # the engine's own step
     assert run(_learner_step) == builtin
     assert max(len(step) for step in builtin[0]) >= 2
 
 
 def test_static_batching_counts_forks_against_max_num_seqs():
     """Regression: a static batch admitted a request whose forks did not fit max_num_seqs (InvariantError)."""
-    llm = tiny(scheduling_policy="static", max_num_seqs=5, parallel_sampling="fork", num_gpu_blocks_override=256)
+    llm = tiny(scheduler_cls="static", max_num_seqs=5, parallel_sampling="fork", num_gpu_blocks_override=256)
     prompts = [{"prompt_token_ids": list(range(10 + i, 16 + i))} for i in range(4)]
     outs = llm.generate(prompts, SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=4, ignore_eos=True))
     assert [len(o.outputs) for o in outs] == [2] * 4
@@ -474,7 +474,7 @@ def test_the_step_sees_the_schedulers_requests_and_kv():
         seen["kv"] = type(kv)
         return schedule_step(running, waiting, budget, max_num_seqs, kv)
 
-    llm = tiny(scheduling_policy=step, num_gpu_blocks_override=64)
+    llm = tiny(scheduler_cls=step, num_gpu_blocks_override=64)
     sp = SamplingParams(temperature=0, n=2, max_tokens=3, ignore_eos=True)
     outs = llm.generate({"prompt_token_ids": [5, 6, 7]}, sp)
     assert seen == {"types": {QueuedRequest}, "kv": StepKV}
@@ -489,7 +489,7 @@ def test_a_plan_of_ids_is_refused_with_the_rule():
         plan.scheduled = [(r.request_id, n) for r, n in plan.scheduled]
         return plan
 
-    llm = tiny(scheduling_policy=ids_step, num_gpu_blocks_override=64)
+    llm = tiny(scheduler_cls=ids_step, num_gpu_blocks_override=64)
     with pytest.raises(InvariantError, match="request objects it was given.*not their ids"):
         llm.generate(PROMPTS[:2], PARAMS[:2])
     assert not llm.llm_engine.has_unfinished_requests()

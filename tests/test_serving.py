@@ -32,14 +32,14 @@ def test_request_metrics_follow_their_definitions():
 
 def test_systems_are_the_papers_and_differ_only_in_their_own_knobs():
     assert SYSTEM_NAMES == ("static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
-    assert get_system("vllm").engine_kwargs == {"scheduling_policy": "continuous", "kv_cache_manager": "paged"}
+    assert get_system("vllm").engine_kwargs == {"scheduling_policy": "fcfs", "kv_cache_manager": "paged"}
     assert system_config("orca-pow2", kv_cache_tokens=100, max_num_seqs=4) == {
-        "scheduling_policy": "continuous", "kv_cache_manager": "contiguous", "reservation_policy": "pow2",
+        "scheduling_policy": "fcfs", "kv_cache_manager": "contiguous", "reservation_policy": "pow2",
         "kv_cache_tokens": 100, "max_num_seqs": 4}
     with pytest.raises(ValueError, match="Unknown system 'orca'"):
         get_system("orca")
     with pytest.raises(ValueError, match="define the system"):
-        system_config("static", scheduling_policy="continuous")
+        system_config("static", scheduler_cls="static")
 
 
 def test_scaled_trace_fits_the_scaled_cap_and_keeps_poisson_arrivals():

@@ -74,7 +74,7 @@ def test_a_plan_policy_is_asked_once_per_step_and_never_calls_the_scheduler(refe
 
     for policy in (Counting(), CacheAwareOrder("lpm", inner=Counting())):
         Counting.calls = 0
-        llm = tiny(num_gpu_blocks_override=64, scheduling_policy=policy)
+        llm = tiny(num_gpu_blocks_override=64, scheduler_cls=policy)
         steps = []
         assert token_ids(llm.generate(PROMPTS, PARAMS, on_step=steps.append)) == reference
         assert Counting.calls == len(steps) > 0
@@ -91,7 +91,7 @@ def test_static_batching_admits_with_schedule_steps_loop(monkeypatch, reference)
         return schedule_step(running, waiting, budget, max_num_seqs, kv)
 
     monkeypatch.setattr(policies, "schedule_step", spy)
-    llm = tiny(num_gpu_blocks_override=64, scheduling_policy="static", max_num_seqs=2)
+    llm = tiny(num_gpu_blocks_override=64, scheduler_cls="static", max_num_seqs=2)
     assert token_ids(llm.generate(PROMPTS, PARAMS)) == reference
     assert calls.count("_Reservations") >= 2, "each static batch is formed by schedule_step's admission"
 

@@ -25,9 +25,10 @@ SCHEDULING_POLICIES = {  # scheduling_policy
     "fcfs": "vLLM v1 (the default): continuous batching, waiting requests in arrival order",
     "priority": "vLLM v1: by request priority (lower first), then arrival; the lowest priority is preempted first",
     "lpm": "SGLang: longest cached prefix first (stage 7)",
-    "static": "course-only: static batching, the pre-Orca baseline (stage 4)",
-    "continuous": "course-only: fcfs's earlier name in this course",
 }
+# scheduling_policy's earlier values in this course -> (the knob, the value) that says it now: passing one is a
+# ValueError naming the new spelling (a plug-in given as scheduling_policy is refused the same way: scheduler_cls)
+MOVED_POLICIES = {"static": ("scheduler_cls", "static"), "continuous": ("scheduling_policy", "fcfs")}
 ATTENTION_BACKENDS = {  # attention_backend
     "torch": "course-only: the reference of lessons 2-3 (gather, then attend)",
     "sdpa": "torch's fused attention kernel (the fast path's default)",
@@ -40,7 +41,10 @@ KV_MANAGERS = {  # kv_cache_manager
 }
 KV_LAYOUTS = ("paged", "contiguous")  # how the KV tensors are laid out (a radix manager's pages are paged)
 # knobs that were merged into another: passing one is a TypeError naming its replacement
-RENAMED = {"kv_cache": "kv_cache_manager", "scheduler": "scheduling_policy"}
+RENAMED = {"kv_cache": "kv_cache_manager", "scheduler": "scheduler_cls"}
+# knobs that are gone, with what to do instead
+REMOVED = {"fast_path": "the engine has one forward now (fused projections and oneDNN GEMMs always; C++ operators "
+                        "where built); for the lessons' reference attention pass attention_backend='torch'"}
 
 # The knobs that take one of a few strings.
 CHOICES = {
@@ -67,7 +71,7 @@ NUMBERS = {
 }
 OPTIONAL = {"max_model_len", "kv_cache_memory_bytes", "num_gpu_blocks_override", "kv_cache_tokens",
             "max_num_batched_tokens", "enable_chunked_prefill", "check_invariants"}
-BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "fast_path", "enforce_eager",
+BOOLS = ("enable_prefix_caching", "enable_chunked_prefill", "check_invariants", "enforce_eager",
          "enable_kv_cache_events")
 
 
@@ -76,8 +80,8 @@ class EngineConfig:
     """The engine's knobs (vLLM's names). ``__post_init__`` checks every one and fills two defaults:
 
     * ``scheduling_policy`` None means ``"fcfs"`` (vLLM's default).
-    * ``enable_chunked_prefill`` None means on where the policy can split prompts (every policy but
-      ``"static"``), as vLLM v1 has it on by default; True together with ``"static"`` is an error.
+    * ``enable_chunked_prefill`` None means on where the scheduler can split prompts (every one but
+      ``scheduler_cls="static"``), as vLLM v1 has it on by default; True together with ``"static"`` is an error.
     """
 
     model: str = "smollm2-135m"
@@ -102,33 +106,29 @@ class EngineConfig:
     # drains them each step for a KV-event publisher (serve --kv-events-config). Needs enable_prefix_caching.
     enable_kv_cache_events: bool = False
     parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
-    # stage 4: scheduling_policy is vLLM's "fcfs" (continuous batching in arrival order; "continuous" is the same) or
-    # "priority" (lower request priority first, ties by arrival; preemption takes the lowest priority), "lpm" (stage 7,
-    # SGLang), "static" (course baseline), a schedule_step-like function, or a policy object (or class) with
-    # schedule(scheduler); None: "fcfs"
-    scheduling_policy: Any = None
+    # stage 4: scheduling_policy orders the requests, as vLLM's: "fcfs" (continuous batching in arrival order) or
+    # "priority" (lower request priority first, ties by arrival; preemption takes the lowest priority), and "lpm"
+    # (stage 7, SGLang); None: "fcfs". The course's earlier values ("static", "continuous", a plug-in) are refused,
+    # naming their spelling now (MOVED_POLICIES).
+    scheduling_policy: str | None = None
     # vLLM's name for a custom scheduler: "static" (stage 4's static batching), a schedule_step-like function, or a
     # policy object (or class) with plan(...) or schedule(scheduler); None: the engine's continuous step. The
     # waiting order is still scheduling_policy's (fcfs; priority and lpm wrap a step function or a plan policy).
-    # Plug-ins given as scheduling_policy are still taken (the course's first spelling).
     scheduler_cls: Any = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool | None = None  # None: on, unless scheduling_policy="static"
+    enable_chunked_prefill: bool | None = None  # None: on, unless scheduler_cls="static"
     preemption_mode: str = "recompute"  # or "swap"
     swap_space: float = 0.25  # GiB of CPU memory for swapped-out blocks (preemption_mode="swap")
     # stage 5
     # "torch" (the reference of lessons 2-3: gather, then attend_gathered), "sdpa" (torch's fused attention
-    # kernel), "triton" (stage 5's kernels), a paged decode function, or an AttentionBackend; None: "sdpa" when
-    # fast_path is on, else "torch" (the name is filled in at construction, so the config says what runs)
+    # kernel), "triton" (stage 5's kernels), a paged decode function, or an AttentionBackend; None: "sdpa", or
+    # "triton" where decode replays CUDA graphs (the name is filled in at construction, so the config says what runs)
     attention_backend: Any = None
-    # course-only: True runs fused QKV and gate/up projections (tinypaged/model/fused.py) and picks "sdpa" for an
-    # unset attention_backend; False runs the readable reference path of lessons 1-3 (seven projections). Same tokens.
-    fast_path: bool = True
     # vLLM's name. False: on a GPU, decode steps replay CUDA graphs captured at start for batch sizes
-    # 1..max_num_seqs (tinypaged/worker/cuda_graphs.py; an unset attention_backend becomes "triton"); on a CPU, the
-    # fast path's dense pieces around attention are compiled (torch.compile, inductor: tinypaged/model/compiled.py;
-    # seconds of warm-up on the first steps, cached on disk). vLLM v1 today: graphs and compilation by default
+    # 1..max_num_seqs (tinypaged/worker/cuda_graphs.py; an unset attention_backend becomes "triton"). On a CPU the
+    # forward runs eagerly either way (vLLM's CPU backend compiles its graph; here a compiled forward measured
+    # slower than the eager one with the C++ operators: docs/RESULTS.md). vLLM v1 today: graphs by default
     # (enforce_eager=False); here True by default so lessons and tests start at once.
     enforce_eager: bool = True
     # plug-in points (tinypaged.interfaces): a learner's own pieces drive the engine
@@ -174,12 +174,10 @@ class EngineConfig:
             bad(f"device={self.device!r} but CUDA is not available; use device='cpu'")
         if self.preemption_mode == "swap" and self.kv_layout != "paged":
             bad("preemption_mode='swap' moves blocks, so it needs a paged KV manager (kv_cache_manager='paged' or a paged factory)")
-        if not self.enforce_eager and not self.fast_path:
-            bad("enforce_eager=False compiles the fast path (fused projections): it needs fast_path=True")
         if self.attention_backend is None:
             # enforce_eager=False on a GPU replays decode steps as CUDA graphs, which read block tables (triton)
             graphs = not self.enforce_eager and self.torch_device.type == "cuda" and self.kv_layout == "paged"
-            self.attention_backend = "triton" if graphs else "sdpa" if self.fast_path else "torch"
+            self.attention_backend = "triton" if graphs else "sdpa"
         if isinstance(self.attention_backend, str) and self.attention_backend not in ATTENTION_BACKENDS:
             bad(f"attention_backend={self.attention_backend!r}: use 'torch', 'sdpa', 'triton', a paged decode "
                 f"function or an AttentionBackend object")
@@ -202,8 +200,7 @@ class EngineConfig:
 
     @property
     def has_plugins(self) -> bool:
-        return (not isinstance(self.kv_cache_manager, str) or not isinstance(self.scheduling_policy, str)
-                or not isinstance(self.attention_backend, str)
+        return (not isinstance(self.kv_cache_manager, str) or not isinstance(self.attention_backend, str)
                 or not (self.scheduler_cls is None or isinstance(self.scheduler_cls, str)))
 
     def finalize(self, model_max_len: int) -> None:
@@ -223,7 +220,7 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) and prompts cannot be split without chunked prefill: raise "
                 f"max_num_batched_tokens, lower max_model_len, or set enable_chunked_prefill=True "
-                f"(with scheduling_policy='continuous')."
+                f"(not with scheduler_cls='static')."
             )
 
 
@@ -293,35 +290,45 @@ def verify_backend_signature(config: EngineConfig) -> None:
                         f"context_lens, scale) (paged_attention_decode's signature)")
 
 def verify_policy(config: EngineConfig) -> None:
-    """The one policy knob, and chunked prefill where that policy can split prompts."""
+    """The two scheduling knobs, vLLM's: ``scheduling_policy`` the order, ``scheduler_cls`` the scheduler; then
+    chunked prefill where that scheduler can split prompts."""
     p = config.scheduling_policy
     if p is None:
         p = config.scheduling_policy = "fcfs"
-    _check_scheduler_value("scheduling_policy", p, SCHEDULING_POLICIES, "'fcfs', 'priority', 'lpm', 'static'")
+    if not (isinstance(p, str) and p in SCHEDULING_POLICIES):
+        raise moved_policy_error(p)
     verify_scheduler_cls(config)
-    static = "scheduling_policy" if isinstance(p, str) and p == "static" else \
-        "scheduler_cls" if isinstance(config.scheduler_cls, str) else None
+    static = isinstance(config.scheduler_cls, str)
     if config.enable_chunked_prefill is None:
         config.enable_chunked_prefill = not static
     elif config.enable_chunked_prefill and static:
-        raise ValueError(f"enable_chunked_prefill=True contradicts {static}='static': a static batch "
-                         f"prefills each prompt whole. Drop enable_chunked_prefill (it defaults to off for "
-                         f"'static') or use scheduling_policy='fcfs'.")
+        raise ValueError("enable_chunked_prefill=True contradicts scheduler_cls='static': a static batch "
+                         "prefills each prompt whole. Drop enable_chunked_prefill (it defaults to off for "
+                         "'static') or drop scheduler_cls (continuous batching, the default).")
 
 
-def _check_scheduler_value(knob: str, value, names, spelled: str) -> None:
-    """A scheduling knob's value: one of ``names``, a policy object or class, or a schedule_step-like function."""
+def policy_names() -> str:
+    """``scheduling_policy``'s names as an error lists them: 'fcfs', 'priority', 'lpm'."""
+    return ", ".join(map(repr, SCHEDULING_POLICIES))
+
+
+def moved_policy_error(value) -> Exception:
+    """The error for a ``scheduling_policy`` that is not one of its names: one of the course's earlier values
+    (``MOVED_POLICIES``, or a plug-in: now ``scheduler_cls``) names its spelling now; anything else, the names."""
+    why = (f"(as in vLLM, scheduling_policy orders the requests: {policy_names()}; scheduler_cls is the "
+           f"scheduler: 'static' or your own)")
     if isinstance(value, str):
-        if value not in names:
-            raise ValueError(f"{knob}={value!r}: use {spelled}, a schedule_step-like function or a policy object "
-                             f"(or class) with schedule(scheduler) or plan(running, waiting, budget, max_num_seqs, kv)")
-    elif isinstance(value, type) and not _is_policy(value):
-        raise TypeError(f"{knob}={value.__name__} is a class without a schedule(scheduler) method "
-                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
-    elif not _is_policy(value) and not (callable(value) and _accepts_arguments(value, 5)):
-        raise TypeError(f"{knob} must be {spelled}, a schedule_step-like function (running, waiting, budget, "
-                        f"max_num_seqs, kv) or an object with schedule(scheduler) or plan(running, waiting, budget, "
-                        f"max_num_seqs, kv); got {value!r}")
+        if value in MOVED_POLICIES:
+            knob, new = MOVED_POLICIES[value]
+            default = ", the default," if knob == "scheduling_policy" and new == "fcfs" else ""
+            return ValueError(f"scheduling_policy={value!r} is now {knob}={new!r}{default} {why}")
+        return ValueError(f"scheduling_policy={value!r}: use {policy_names()}; a scheduler of your own is "
+                          f"scheduler_cls=...")
+    if callable(value) or _is_policy(value):
+        name = getattr(value, "__name__", None) or f"{type(value).__name__}(...)"
+        return ValueError(f"scheduling_policy={name} is now scheduler_cls={name} {why}")
+    return TypeError(f"scheduling_policy must be {policy_names()} (or None: 'fcfs'), got {value!r}; a scheduler "
+                     f"of your own is scheduler_cls=...")
 
 
 def verify_scheduler_cls(config: EngineConfig) -> None:
@@ -329,10 +336,18 @@ def verify_scheduler_cls(config: EngineConfig) -> None:
     cls, p = config.scheduler_cls, config.scheduling_policy
     if cls is None:
         return
-    _check_scheduler_value("scheduler_cls", cls, SCHEDULERS, "'static'")
-    if not isinstance(p, str) or p == "static":
-        raise ValueError(f"scheduler_cls and scheduling_policy={p!r} both name a scheduler: give it once, as "
-                         f"scheduler_cls, and leave scheduling_policy to the order ('fcfs', 'priority', 'lpm')")
+    if isinstance(cls, str):
+        if cls not in SCHEDULERS:
+            raise ValueError(f"scheduler_cls={cls!r}: use {', '.join(map(repr, SCHEDULERS))}, a schedule_step-like "
+                             f"function or a policy object (or class) with schedule(scheduler) or plan(running, "
+                             f"waiting, budget, max_num_seqs, kv)")
+    elif isinstance(cls, type) and not _is_policy(cls):
+        raise TypeError(f"scheduler_cls={cls.__name__} is a class without a schedule(scheduler) method "
+                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
+    elif not _is_policy(cls) and not (callable(cls) and _accepts_arguments(cls, 5)):
+        raise TypeError(f"scheduler_cls must be {', '.join(map(repr, SCHEDULERS))}, a schedule_step-like function "
+                        f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) or "
+                        f"plan(running, waiting, budget, max_num_seqs, kv); got {cls!r}")
     plans = not isinstance(cls, str) and (callable(getattr(cls, "plan", None)) or not _is_policy(cls))
     if p in ("priority", "lpm") and not plans:
         raise ValueError(f"scheduling_policy={p!r} orders the requests a step function plans over: scheduler_cls="

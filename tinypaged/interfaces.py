@@ -1,7 +1,7 @@
 """The engine's three seams, written down: a KV cache manager, a scheduling policy, an attention backend.
 
 Each is a ``typing.Protocol``: any object with these methods plugs in, so a learner's allocator,
-scheduler or kernel can drive the real engine (``LLM(kv_cache_manager=..., scheduling_policy=...,
+scheduler or kernel can drive the real engine (``LLM(kv_cache_manager=..., scheduler_cls=...,
 attention_backend=...)``). The engine checks the required methods when it is built
 (``require``) and checks the rules below while it runs (``tinypaged.sched.scheduler.check_schedule`` and
 ``ModelRunner.check_slots``), so a broken plug-in fails loudly with the rule it broke instead of
@@ -33,7 +33,7 @@ class KVCacheSpec:
     enable_prefix_caching: bool = False
     reservation_policy: str = "max"  # contiguous only
     num_cpu_blocks: int = 0  # swap space (preemption_mode="swap", vLLM v0)
-    copy_block: Callable[[int, int], None] | None = None  # copy-on-write: copy block src -> dst now
+    copy_block: Callable[[int, int], None] | None = None  # watches each copy-on-write copy as it is decided (src, dst)
     enable_kv_cache_events: bool = False  # record the prefix cache's changes (take_events), vLLM's knob
 
     @property

@@ -7,7 +7,8 @@ import threading
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
 
-from tinypaged.config import RENAMED, EngineConfig
+from tinypaged.config import REMOVED, RENAMED, EngineConfig
+from tinypaged.engine.detokenizer import TextStream
 from tinypaged.engine.input_processor import check_batch, check_priorities
 from tinypaged.engine.llm_engine import LLMEngine
 from tinypaged.model.cpu_threads import ensure_cpu_threads
@@ -29,6 +30,8 @@ class LLM:
         for old in RENAMED.keys() & kwargs.keys():
             raise TypeError(f"LLM({old}=...) is gone: its decision is {RENAMED[old]}= now "
                             f"(e.g. LLM({RENAMED[old]}={kwargs[old]!r}))")
+        for gone in REMOVED.keys() & kwargs.keys():
+            raise TypeError(f"LLM({gone}=...) is gone: {REMOVED[gone]}")
         config = EngineConfig(model=model, **kwargs)
         if config.torch_device.type == "cpu":  # vLLM's CPU worker binds its threads at start-up: once per process here
             plan, applied = ensure_cpu_threads()
@@ -119,24 +122,20 @@ class LLM:
         """Each sampled sequence's new text; a sequence that ended without a token (aborted, failed)
         gets one last piece with the rest of its text, so every sequence's stream ends with a finished piece."""
         seqs_of = {req.request_id: req.seqs for req in requests}
-        sent: dict[int, int] = {}  # seq_id -> characters already streamed
+        stream = TextStream(detokenizer.stream_text)  # the pieces of text (the server's loops cut theirs alike)
         closed: set[int] = set()  # seq_ids whose finished piece was sent
         for step in steps:
             for seq in step.sampled:
-                text, settled = detokenizer.stream_text(seq)
-                start = sent.get(seq.seq_id, 0)
-                end = max(start, settled)
-                sent[seq.seq_id] = end
                 if seq.is_finished:
                     closed.add(seq.seq_id)
-                yield StreamOutput(seq.request_id, seq.index, text[start:end], [step.new_tokens[seq.seq_id]],
+                yield StreamOutput(seq.request_id, seq.index, stream.piece(seq), [step.new_tokens[seq.seq_id]],
                                    seq.is_finished, _reason(seq), seq.stop_reason)
             for out in step.finished:
                 for seq in seqs_of.get(out.request_id, ()):
                     if seq.seq_id not in closed:
                         closed.add(seq.seq_id)
-                        yield StreamOutput(seq.request_id, seq.index, seq.text[sent.get(seq.seq_id, 0):], [],
-                                           True, _reason(seq), seq.stop_reason)
+                        yield StreamOutput(seq.request_id, seq.index, stream.piece(seq), [], True, _reason(seq),
+                                           seq.stop_reason)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them.

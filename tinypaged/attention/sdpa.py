@@ -1,8 +1,8 @@
 """Decode and prefill through torch's fused attention kernel (the engine's fast form of ``TorchBackend``).
 
 ``TorchBackend``'s slots and masks, ``torch.nn.functional.scaled_dot_product_attention`` for the maths (one
-kernel, no [B, H, C] score tensor kept around). ``attention_backend="sdpa"``, the default when
-``fast_path`` is on; tests/test_fast_path.py checks it equals the reference ``TorchBackend``. On a float32 CPU
+kernel, no [B, H, C] score tensor kept around). ``attention_backend="sdpa"``, the default (but
+where decode replays CUDA graphs); tests/test_one_forward.py checks it equals the reference ``TorchBackend``. On a float32 CPU
 where tinypaged's C++ operators are built (``tinypaged.cpu_native``), decode reads the cache in place through the
 same slots instead of gathering copies for torch's kernel (tests/test_cpu_native.py checks the two agree).
 """

@@ -11,7 +11,7 @@ edition** instead (``python -m tinypaged.course student-edition OUT [ASSIGNMENT 
 tree (``pyproject.toml``, ``tinypaged/``, ``kernels/``) in which every function body that an assignment's solution
 cells mark with ``### BEGIN SOLUTION`` raises ``NotImplementedError`` naming the assignment and the part. Nothing
 else changes, so lessons and exercises that do not use a graded part run as before, and a learner's own
-definitions drive the engine through its plug-in seams (``kv_cache_manager=``, ``scheduling_policy=``,
+definitions drive the engine through its plug-in seams (``kv_cache_manager=``, ``scheduler_cls=``,
 ``attention_backend=``). The solution notebooks (``solutions/``) are never copied.
 
 The grader's sandbox imports a stricter edition (:func:`class_assignments`, ``write(..., references=True)``; built

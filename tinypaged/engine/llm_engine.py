@@ -15,13 +15,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 
 from tinypaged.attention.selector import make_backend
 from tinypaged.config import EngineConfig
 from tinypaged.engine.detokenizer import Detokenizer
-from tinypaged.model.compiled import compile_model
 from tinypaged.model.fused import fuse_projections
 from tinypaged.engine.input_processor import InputProcessor, Request, sample_generator
 from tinypaged.interfaces import POLICY_REQUIRED, require
@@ -31,7 +31,7 @@ from tinypaged.model.loader import eos_token_ids, load_model, load_tokenizer
 from tinypaged.worker.model_runner import ModelRunner, memory_snapshot
 from tinypaged.engine.output_processor import OutputProcessor
 from tinypaged.outputs import StepResult
-from tinypaged.sampling.sampler import sample
+from tinypaged.sampling.sampler import check_stop, sample
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sched.scheduler import Scheduler, make_policy
 from tinypaged.sequence import FinishReason
@@ -53,17 +53,16 @@ def configure_logging() -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        """``detokenize=False``: the front end owns text and stop strings (the engine core process, whose server
+        detokenizes), so the output processor has no detokenizer and every ``text`` stays empty."""
         configure_logging()
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         mem_at_start = memory_snapshot(self.device)  # before the weights: sizing counts what we add
         self.model = load_model(config.model, self.dtype, self.device, config.seed)
-        if config.fast_path:
-            fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
-        if not config.enforce_eager and self.device.type != "cuda":  # a GPU replays CUDA graphs instead (below)
-            compile_model(self.model)  # the fast path's dense pieces, compiled on first use (model/compiled.py)
+        fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
         hf = self.model.config
         config.finalize(hf.max_position_embeddings)
         self.vocab_size = hf.vocab_size
@@ -81,14 +80,14 @@ class LLMEngine:
             self.runner.capture_graphs(config.max_num_seqs, config.max_model_len)  # vLLM's capture at start
         policy = make_policy(config)
         if not hasattr(policy, "plan"):  # a plan policy decides; any other acts through schedule(scheduler)
-            require(policy, POLICY_REQUIRED, "scheduling_policy")
-        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock, swapper=self.kv_tensors,
+            require(policy, POLICY_REQUIRED, "scheduler_cls")
+        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock,
                                    check_invariants=checking)
         self.input_processor = InputProcessor(config, self.vocab_size, self.kv,
                                               lambda text: self.tokenizer.encode(text), self.clock,
                                               lambda: self.eos_token_ids)
-        self.output_processor = OutputProcessor(Detokenizer(self.detokenize), eos_token_ids(config.model),
-                                                config.max_model_len)
+        self._eos_token_ids = set(eos_token_ids(config.model))  # the token rules' (check_stop), and the sampler's
+        self.output_processor = OutputProcessor(Detokenizer(self.detokenize) if detokenize else None)  # text, stops
         self.requests: dict[str, Request] = {}
         self.kv_event_sink = None  # set_kv_event_sink: where each step's KV events go
         self._t0 = time.perf_counter()
@@ -115,15 +114,15 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """The model's end-of-sequence ids (the tokenizer's join when it loads); the stop rules read them."""
-        return self.output_processor.eos_token_ids
+        """The model's end-of-sequence ids (the tokenizer's join when it loads); the token rules read them."""
+        return self._eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self.output_processor.eos_token_ids = set(ids)
+        self._eos_token_ids = set(ids)
 
     @property
-    def detokenizer(self) -> Detokenizer:
+    def detokenizer(self) -> Detokenizer | None:
         return self.output_processor.detokenizer
 
     def clock(self) -> float:
@@ -171,7 +170,7 @@ class LLMEngine:
         """Finish every unfinished sequence of ``req`` with ``reason``, its text final, its blocks freed."""
         for seq in req.seqs:
             if not seq.is_finished:
-                self.detokenizer.finish(seq)
+                self.output_processor.finish(seq)
         self.scheduler.abort(req.seqs, reason)
 
     def has_unfinished_requests(self) -> bool:
@@ -201,6 +200,8 @@ class LLMEngine:
     def _step(self, select_tokens) -> StepResult:
         sched = self.scheduler
         out = sched.schedule()
+        # the KV manager's swaps and copy-on-write copies of this step, before any forward (even with nothing to run)
+        self.runner.move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         result = StepResult(self.metrics.counters["num_steps"], out.scheduled, {}, out.preempted, [])
         if not out.scheduled:
             return result
@@ -223,7 +224,12 @@ class LLMEngine:
             if failed:  # those requests fail alone; the rest of the batch carries on
                 kept = [i for i, seq in enumerate(seqs) if seq.request_id not in failed]
                 seqs, tokens, logprobs = [seqs[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
-            done = sched.update_from_output(seqs, tokens, logprobs, self.clock(), self.output_processor.stop_check)
+            now = self.clock()
+            token_rules = partial(check_stop, eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
+            sched.update_from_output(seqs, tokens, logprobs, now, token_rules)  # EOS, stop token ids, length
+            for seq, stop in self.output_processor.process(seqs):  # text and stop strings, after the step
+                sched.finish_by_stop_string(seq, stop, now)  # a stop string ends its sequence (vLLM: an abort)
+            done = [seq for seq in seqs if seq.is_finished]
             result.new_tokens = {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
             result.sampled = seqs
             for seq in done:

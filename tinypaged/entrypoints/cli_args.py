@@ -15,7 +15,7 @@ import re
 from typing import Any
 
 from tinypaged.config import ATTENTION_BACKENDS as BACKENDS
-from tinypaged.config import KV_MANAGERS, SCHEDULERS, SCHEDULING_POLICIES
+from tinypaged.config import KV_MANAGERS, MOVED_POLICIES, SCHEDULERS, SCHEDULING_POLICIES, EngineConfig
 
 
 def port_number(text: str) -> int:
@@ -73,15 +73,32 @@ def name_or_plugin(names, what: str):
     return parse
 
 
-def registry_help(registry: dict, plugin: str) -> str:
-    """A flag's help made from its seam's registry (``tinypaged.config``): each name, its label, then the plug-in."""
+def scheduling_policy(text: str) -> str:
+    """An argparse type: one of ``SCHEDULING_POLICIES`` (the order of the requests, as vLLM's flag). The course's
+    earlier values (``MOVED_POLICIES``) and a plug-in's ``MODULE:NAME`` are refused naming their flag now."""
+    if text in SCHEDULING_POLICIES:
+        return text
+    names = ", ".join(SCHEDULING_POLICIES)
+    if text in MOVED_POLICIES:
+        knob, new = MOVED_POLICIES[text]
+        raise argparse.ArgumentTypeError(f"{text} is now --{knob.replace('_', '-')} {new} (as in vLLM, "
+                                         f"--scheduling-policy orders the requests: {names})")
+    if ":" in text:
+        raise argparse.ArgumentTypeError(f"a scheduler to plug in is --scheduler-cls {text} (as in vLLM, "
+                                         f"--scheduling-policy orders the requests: {names})")
+    raise argparse.ArgumentTypeError(f"{text!r}: give {names} (a scheduler to plug in is --scheduler-cls)")
+
+
+def registry_help(registry: dict, plugin: str | None, tail: str = "") -> str:
+    """A flag's help made from its seam's registry (``tinypaged.config``): each name, its label, then the plug-in
+    (None: the flag takes names only) and ``tail``."""
     names = "; ".join(f"{name}: {label}" for name, label in registry.items())
-    return f"{names}; or MODULE:NAME of {plugin}".replace("%", "%%")  # argparse formats help with %
+    text = names + (f"; or MODULE:NAME of {plugin}" if plugin else "") + tail
+    return text.replace("%", "%%")  # argparse formats help with %
 
 
 kv_cache_manager = name_or_plugin(KV_MANAGERS, "a KV-manager factory")
 attention_backend = name_or_plugin(BACKENDS, "a decode function")
-scheduling_policy = name_or_plugin(SCHEDULING_POLICIES, "a scheduling policy")
 scheduler_cls = name_or_plugin(SCHEDULERS, "a scheduler")
 
 
@@ -105,11 +122,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help=registry_help(KV_MANAGERS, "a KV-manager factory to plug in (e.g. a learner's, from a .py "
                                                     "file: path/to/file.py:Name); default: paged"))
     ap.add_argument("--scheduling-policy", default=None, type=scheduling_policy,
-                    help=registry_help(SCHEDULING_POLICIES, "a policy to plug in; default: fcfs. With priority, "
-                                                            "the requests' priority field orders them"))
+                    help=registry_help(SCHEDULING_POLICIES, None, ". The order of the requests; default: fcfs. "
+                                       "With priority, the requests' priority field orders them"))
     ap.add_argument("--scheduler-cls", default=None, type=scheduler_cls,
                     help=registry_help(SCHEDULERS, "a schedule_step-like function or a policy to plug in; default: "
-                                                   "the engine's continuous step"))
+                                                   "the engine's continuous step, in --scheduling-policy's order"))
     ap.add_argument("--attention-backend", default=None, type=attention_backend,
                     help=registry_help(BACKENDS, "a decode function; default: sdpa, the fast path"))
     ap.add_argument("--no-multiprocessing", dest="multiprocessing", action="store_false", default=None,
@@ -187,9 +204,9 @@ def load_object(spec: str):
     return getattr(module, name)
 
 
-def build_llm(args):
-    from tinypaged import LLM
-
+def engine_knobs(args) -> tuple[dict, object]:
+    """serve's arguments as ``EngineConfig`` fields (plug-ins loaded: a bad spec is a ValueError), and the parsed
+    ``--kv-events-config`` (None when not given)."""
     knobs = dict(dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                  num_gpu_blocks_override=args.num_gpu_blocks_override,
@@ -213,11 +230,31 @@ def build_llm(args):
     check_kv_events(args)
     if events is not None and events.enabled:
         knobs["enable_kv_cache_events"] = True  # the prefix cache records its changes (tinypaged/kv/events.py)
-    llm = LLM(args.model, **knobs)
+    return knobs, events
+
+
+def engine_config(args):
+    """``(EngineConfig, kv events config or None)`` from serve's arguments: what the engine core process builds
+    its ``LLMEngine`` from (a bad knob raises here, as ``LLM(...)`` would)."""
+    knobs, events = engine_knobs(args)
+    return EngineConfig(model=args.model, **knobs), events
+
+
+def attach_kv_events(engine, events) -> None:
+    """Publish ``engine``'s KV events after each of its steps, where the engine steps (``--kv-events-config``)."""
     if events is not None and events.enabled:
         from tinypaged.entrypoints import kv_events
 
-        kv_events.attach(llm.llm_engine, events)  # published after each engine step, where the engine steps
+        kv_events.attach(engine, events)
+
+
+def build_llm(args):
+    """serve's in-process ``LLM`` (``--no-multiprocessing``, ``create_app``), its KV events attached."""
+    from tinypaged import LLM
+
+    knobs, events = engine_knobs(args)
+    llm = LLM(args.model, **knobs)
+    attach_kv_events(llm.llm_engine, events)
     return llm
 
 

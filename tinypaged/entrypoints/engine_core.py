@@ -8,7 +8,8 @@
   take what arrived on the input socket (add, abort, stop a sample, metrics, shutdown), run one step (schedule,
   execute, sample, the token rules: EOS, stop token ids, length), send what it produced: new token ids and
   the token rules' finishes, never text. The core gets no stop strings (``Params`` has no ``stop``) and does
-  no text work at all: its engine's detokenizer decodes nothing. When a stop string fires in the server,
+  no text work at all: it builds only its ``LLMEngine``, with ``detokenize=False`` (its output processor has no
+  detokenizer, so every ``text`` stays empty), not a whole ``LLM``. When a stop string fires in the server,
   ``StopSample`` frees that sample's blocks here at once (vLLM's front end aborts the request in the core).
 
 Between them two ZeroMQ sockets (the server binds both, the core connects): requests flow in on one,
@@ -33,7 +34,6 @@ from typing import Any, Union
 
 import msgspec
 
-from tinypaged.engine.detokenizer import Detokenizer
 from tinypaged.engine.input_processor import check_max_tokens
 
 logger = logging.getLogger("tinypaged")
@@ -163,11 +163,11 @@ def params_message(params) -> Params:
 
 # -- the core process ------------------------------------------------------------------------------------
 class EngineCoreProc:
-    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs (token ids)."""
+    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs (token ids). The
+    engine is built with ``detokenize=False`` (``main``): text is the server's, so nothing is decoded here."""
 
     def __init__(self, engine, inbox, outbox, parent_pid: int):
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
-        engine.output_processor.detokenizer = Detokenizer(_no_text)  # text is the server's: decode nothing here
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.live: set[str] = set()  # the server's requests not yet ended
@@ -312,11 +312,6 @@ class EngineCoreProc:
             self.send(Outputs(tokens, finished))
 
 
-def _no_text(token_ids, skip_special_tokens: bool = True) -> str:
-    """The core's decode: no text (the server detokenizes; the core gets no stop strings to search)."""
-    return ""
-
-
 def _plain(value):
     """The metrics snapshot as MessagePack can carry it (tuples -> lists, other objects -> str)."""
     if isinstance(value, dict):
@@ -342,12 +337,6 @@ def _die_with_parent(parent_pid: int) -> None:
         raise SystemExit(0)
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def main(config_json: str) -> int:
     import zmq
 
@@ -367,28 +356,29 @@ def main(config_json: str) -> int:
     try:
         from types import SimpleNamespace
 
-        from tinypaged.entrypoints.cli_args import build_llm
+        from tinypaged.engine.llm_engine import LLMEngine
+        from tinypaged.entrypoints.cli_args import attach_kv_events, engine_config
 
-        if cfg["args"].get("device", "auto") == "cpu" or not _has_cuda():  # vLLM's CPU backend binds its worker
+        config, events = engine_config(SimpleNamespace(**cfg["args"]))  # plug-ins are loaded here, by their spec
+        if config.torch_device.type == "cpu":  # vLLM's CPU worker binds its threads at start-up (as LLM() does)
             from tinypaged.model.cpu_threads import ensure_cpu_threads
 
             logger.info("engine core threads: %s", ensure_cpu_threads()[0].describe())
-        llm = build_llm(SimpleNamespace(**cfg["args"]))  # plug-ins are loaded here, by their spec
+        engine = LLMEngine(config, detokenize=False)  # the server detokenizes and searches stop strings
+        attach_kv_events(engine, events)
     except BaseException as exc:  # noqa: BLE001 - a bad knob, model or plug-in: say it, then exit
         outbox.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
         inbox.close(linger=0)
         outbox.close()  # lingers (2 s at most) until the message is out
         ctx.term()
         return 1
-    engine = llm.llm_engine
     try:
         engine.tokenizer  # noqa: B018 - loaded now (its EOS ids join the stop rules), not on a first request
     except ValueError:
         pass
-    if engine.config.fast_path:  # as vLLM's server warms its model: weights packed before the first request
-        from tinypaged.model.fused import warm_up
+    from tinypaged.model.fused import warm_up
 
-        warm_up(engine.model, engine.config.max_num_seqs)
+    warm_up(engine.model, engine.config.max_num_seqs)  # as vLLM's server warms its model: weights packed first
     core = EngineCoreProc(engine, inbox, outbox, cfg["parent_pid"])
     core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs,
                     engine.input_processor.vocab_size))

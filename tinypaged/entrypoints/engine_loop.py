@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from tinypaged.engine.detokenizer import TextStream
 from tinypaged.sequence import FinishReason
 
 logger = logging.getLogger("tinypaged")
@@ -68,7 +69,6 @@ class Submission:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
-    seq_ids: set = field(default_factory=set)  # the request's sequences seen so far
 
 
 class EngineLoop:
@@ -81,10 +81,9 @@ class EngineLoop:
         # observer.on_step(result), .on_token_gap(seconds), .on_finish(submission, output): metrics,
         # called on the loop thread
         self.observer = observer
-        self.text_of = text_of  # (seq) -> (text, settled chars): the engine's streaming detokenizer
+        self.text = TextStream(text_of)  # text_of(seq) -> (text, sendable chars): Detokenizer.stream_text
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Submission] = {}  # request id -> submission, touched on the loop thread only
-        self._sent: dict[int, int] = {}  # seq id -> characters already delivered
         self._count = 0  # submitted and not yet ended (read by submit for the queue bound)
         self._count_lock = threading.Lock()
         self._ids = itertools.count()
@@ -223,16 +222,12 @@ class EngineLoop:
             sub = self._live.get(seq.request_id)
             if sub is None:
                 continue
-            text, settled = self.text_of(seq)
-            start = self._sent.get(seq.seq_id, 0)
-            end = max(start, settled)
-            self._sent[seq.seq_id] = end
-            sub.seq_ids.add(seq.seq_id)
+            text = self.text.piece(seq)
             if sub.last_token is not None and self.observer is not None:
                 self.observer.on_token_gap(now - sub.last_token)
             sub.first_token = sub.first_token or now
             sub.last_token = now
-            sub.deliver(Event(seq.request_id, seq.index, text[start:end], [result.new_tokens[seq.seq_id]]))
+            sub.deliver(Event(seq.request_id, seq.index, text, [result.new_tokens[seq.seq_id]]))
         for out in result.finished:
             sub = self._live.get(out.request_id)
             if sub is None:
@@ -253,8 +248,6 @@ class EngineLoop:
             self.engine.abort_request([request_id])
             if self.observer is not None and hasattr(self.observer, "on_abort"):
                 self.observer.on_abort(sub)  # /metrics: finished_reason="abort"
-        for sid in sub.seq_ids:
-            self._sent.pop(sid, None)
         self._end_count()
         sub.deliver(final)
 

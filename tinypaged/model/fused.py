@@ -1,15 +1,11 @@
-"""The engine's fast path (course-only knob ``fast_path``, on by default): the same maths, fewer kernels.
+"""The engine's products: fused projections and oneDNN GEMMs (same maths, fewer and faster kernels).
 
-Five changes against the readable reference of lessons 1-3, each what vLLM does in its own way:
+What ``tinypaged.model.llama``'s forward calls for its matrix products, each what vLLM does in its own way:
 
-* **fused projections**: q, k and v read the same input, and so do gate and up; stacking their weights
-  makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and ``MergedColumnParallelLinear``): four
-  calls per layer instead of seven (a small gain on a CPU, where a decode step's few rows make each
-  GEMM cost what reading its weights costs);
-* **fused attention**: an unset ``attention_backend`` becomes ``"sdpa"``
-  (``tinypaged.attention.sdpa.SDPABackend``), which gathers each sequence's keys once and hands them to
-  ``torch.nn.functional.scaled_dot_product_attention`` (one kernel, no [B, H, C] score tensor kept
-  around) instead of ``attend_gathered``'s chain of permutes, matmuls and masks (``"torch"``, the reference);
+* **fused projections** (``fuse_projections``, run by the engine after loading): q, k and v read the same input,
+  and so do gate and up; stacking their weights makes one GEMM of each group (vLLM's ``QKVParallelLinear`` and
+  ``MergedColumnParallelLinear``): four products per layer instead of seven. The layers' own weights become views
+  into the stacked tensor, so ``q_proj.weight`` and the ``state_dict`` keep Hugging Face's names and numbers.
 * **oneDNN GEMMs on prepacked weights** (float32 on a CPU): every projection calls oneDNN's linear on a copy of
   its weight reordered once into oneDNN's blocked layout for 32-row batches (``PackedWeight``), as vLLM's CPU
   backend does (``create_onednn_mm(weight, 32)``). A decode step reads every weight once, so a step costs what
@@ -21,14 +17,9 @@ Five changes against the readable reference of lessons 1-3, each what vLLM does 
   weight faster than oneDNN streams its blocked copy, so ``linear`` sends those products there (a course-only
   choice: vLLM's CPU backend calls oneDNN at every row count). On other CPUs MKL takes slower code paths and
   oneDNN wins at every row count (``GEMV_ROWS`` is 0 there).
-* **one flat loop** (``FlatForward``): the layers run as plain tensor calls, not through the module tree (vLLM
-  compiles its forward into one graph; here a compiled whole forward measured no faster than this loop).
-* **C++ operators on a float32 CPU** (``tinypaged.cpu_native``, where this machine can build them): the residual
-  add fused into the RMSNorm after it, RoPE in place, SiLU-and-multiply, and decode attention reading the cache in
-  place (``SDPABackend.decode``), each one call instead of a handful of torch operators, as vLLM's CPU backend
-  runs its own C++ for that work. Elsewhere the same loop runs on torch's operators.
 
-``fast_path=False`` runs the reference path; tests/test_fast_path.py checks both give the same numbers.
+The element-wise operators (add-and-norm, RoPE, SiLU-and-multiply) live beside the model that calls them
+(``tinypaged.model.llama``); attention is the step's backend (``tinypaged.attention``).
 """
 
 from __future__ import annotations
@@ -36,8 +27,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from tinypaged import cpu_native
 
 
 class FusedLinear:
@@ -134,140 +123,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class SingleLinear:
-    """An ``nn.Linear``'s forward through ``linear`` (its own weight tensor, read at each call)."""
-
-    def __init__(self, layer: nn.Linear):
-        self.layer = layer
-        self.packed = PackedWeight()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.layer.weight, self.layer.bias, self.packed)
-
-
 def fuse_projections(model) -> None:
-    """Give every layer its fused [q; k; v] and [gate; up] projections; o_proj, down_proj and lm_head are single
-    GEMMs already and keep their weights, their forward goes through ``linear`` (oneDNN on a CPU); the model's
-    forward becomes ``FlatForward``. Idempotent."""
+    """Give every layer its fused [q; k; v] and [gate; up] projections (o_proj, down_proj and lm_head are single
+    GEMMs already). Run after the model has its final device and dtype. Idempotent."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None:
             attn.qkv_proj = FusedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
         if mlp.gate_up_proj is None:
             mlp.gate_up_proj = FusedLinear([mlp.gate_proj, mlp.up_proj])
-        for single in (attn.o_proj, mlp.down_proj):
-            if not isinstance(single.forward, SingleLinear):
-                single.forward = SingleLinear(single)
-    if not isinstance(model.lm_head.forward, SingleLinear):
-        model.lm_head.forward = SingleLinear(model.lm_head)
-    if model.fast_forward is None:
-        model.fast_forward = FlatForward(model)
-
-
-def rms_norm(x: torch.Tensor, norm) -> torch.Tensor:
-    """``RMSNorm.forward`` (tinypaged.model.llama) as a plain call; float32 runs torch's one-kernel ``rms_norm``,
-    other dtypes the module's own steps (half precision normalised in float32)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
-    return norm.forward(x)
-
-
-def rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's cos and sin [tokens, head_dim] shaped for ``rope``: [tokens, 1, head_dim], the sine's first half
-    negated, made once per step for all layers."""
-    half = sin.shape[-1] // 2
-    return cos[:, None, :], torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)[:, None, :]
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` in three kernels: the halves swapped by one ``roll`` stand in for ``cat(-x2, x1)``, the
-    sign lives in ``signed_sin`` (``rope_tables``): x * cos + roll(x) * signed_sin."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-
-class FlatForward:
-    """``CausalLM.forward`` on the fast path: the same maths as one flat loop over the layers, no module calls.
-
-    A decode step of a small model on a CPU pays for Python as much as for the element-wise maths: the module
-    tree (layer -> attention -> projection, norm, MLP) is some 7 ``nn.Module`` calls per layer, each a few
-    microseconds of hooks and dispatch, before any kernel runs. This loop reads each layer's parts where the
-    model keeps them (norm weights, ``FusedLinear``/``SingleLinear`` projections, ``ctx.attend``), so a weight
-    loaded or changed in place is what the next step uses, and the attention backend, a learner's included, is
-    called as on the reference path. RoPE's cos/sin are shaped once per step (``rope_tables``); residual adds
-    and SiLU-times-up write in place into tensors the step made. ``fast_path=False`` keeps the module forward
-    that lessons 1-3 read; tests/test_fast_path.py checks both give the same numbers (float64: to 1e-10).
-    """
-
-    def __init__(self, model):
-        self.model = model
-        self.layers = []
-        for layer in model.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            # o_proj's and down_proj's SingleLinear (their ``forward``): the module's own __call__ is skipped
-            self.layers.append((attn.layer_idx, layer.input_layernorm, attn.qkv_proj, attn.o_proj.forward, attn.scale,
-                                attn.num_heads, attn.num_kv_heads, attn.head_dim, layer.post_attention_layernorm,
-                                mlp.gate_up_proj, mlp.down_proj.forward))
-
-    def __call__(self, input_ids, positions, ctx, logits_indices=None) -> torch.Tensor:
-        stack = self.model.model
-        x = stack.embed_tokens(input_ids)
-        cos, signed_sin = rope_tables(*stack.rotary(positions, x.dtype))
-        native = cpu_native.usable(x)
-        if native is not None:
-            return self.native(native, x, cos, signed_sin, ctx, logits_indices)
-        n = x.shape[0]
-        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
-            qkv = qkv_proj(rms_norm(x, norm1)).view(n, heads + 2 * kv_heads, head_dim)
-            qk = rope(qkv[:, : heads + kv_heads], cos, signed_sin)
-            out = ctx.attend(idx, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:], scale)
-            x = x + o_proj(out.reshape(n, heads * head_dim))  # a new tensor: the embedding's rows stay as they are
-            gate, up = gate_up_proj(rms_norm(x, norm2)).chunk(2, dim=-1)
-            x += down_proj(F.silu(gate).mul_(up))
-        if logits_indices is not None:
-            x = x[logits_indices]
-        return self.model.lm_head.forward(rms_norm(x, stack.norm))
-
-    def native(self, ops, x, cos, signed_sin, ctx, logits_indices) -> torch.Tensor:
-        """The same loop on a float32 CPU with tinypaged's C++ operators (``tinypaged.cpu_native``): each residual
-        add is fused into the RMSNorm after it and runs in place on ``x`` (the embedding lookup's own new tensor),
-        RoPE runs in place on the fused qkv, SiLU-and-multiply is one call. Attention always goes through
-        ``ctx.attend`` and the step's backend (``SDPABackend.decode`` calls the C++ decode attention)."""
-        stack = self.model.model
-        n = x.shape[0]
-        cos, signed_sin = cos.view(n, -1), signed_sin.view(n, -1)
-        residual = None  # the last product not yet added to x
-        for idx, norm1, qkv_proj, o_proj, scale, heads, kv_heads, head_dim, norm2, gate_up_proj, down_proj in self.layers:
-            qkv = qkv_proj(ops.add_rms_norm(x, residual, norm1.weight, norm1.eps)).view(n, heads + 2 * kv_heads, head_dim)
-            ops.rope_(qkv, cos, signed_sin, heads + kv_heads)
-            out = ctx.attend(idx, qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:], scale)
-            h = ops.add_rms_norm(x, o_proj(out.reshape(n, heads * head_dim)), norm2.weight, norm2.eps)
-            residual = down_proj(ops.silu_mul(gate_up_proj(h)))
-        if logits_indices is not None:
-            x, residual = x[logits_indices], residual[logits_indices]
-        return self.model.lm_head.forward(ops.add_rms_norm(x, residual, stack.norm.weight, stack.norm.eps))
 
 
 WARM_ROWS = PACK_ROWS  # warm_up builds oneDNN's primitives for decode batches of 1 to this many rows
 
 
 def warm_up(model, max_rows: int) -> int:
-    """Pay the fast path's one-off costs now rather than in the first requests (vLLM's server warms its model at
+    """Pay the products' one-off costs now rather than in the first requests (vLLM's server warms its model at
     start-up): pack every projection's weight for oneDNN, and run one product of each weight shape for every
     decode batch size 1..min(``max_rows``, ``WARM_ROWS``), so oneDNN has built the primitives those steps use.
     Larger batches are not warmed: a new row count costs oneDNN 1-3 ms once per shape, little beside such a
     product, while warming every count up to the default ``max_num_seqs`` (256) ran 1,280 products, most of the
     time in the [49152, 576] lm_head: 21 s on 2 threads, 38 s on 1, before the server said it was ready (1.0 s
     for 32 rows; measured on an AMD EPYC, 2026-12-02). Changes no weight, cache or counter. Returns the number
-    of products run (0 where the fast path's oneDNN GEMMs do not apply)."""
+    of products run (0 where the oneDNN GEMMs do not apply)."""
     projections = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if attn.qkv_proj is None or mlp.gate_up_proj is None:
-            return 0  # the reference path: nothing packed
-        projections += [attn.qkv_proj, mlp.gate_up_proj, attn.o_proj.forward, mlp.down_proj.forward]
-    projections.append(model.lm_head.forward)
-    projections = [(p.weight, p.bias, p.packed) if isinstance(p, FusedLinear) else (p.layer.weight, p.layer.bias, p.packed)
-                   for p in projections]
+            return 0  # not fused: nothing packed
+        projections += [attn.qkv_proj, mlp.gate_up_proj, attn.o_proj, mlp.down_proj]
+    projections.append(model.lm_head)
+    projections = [(p.weight, p.bias, p.packed) for p in projections]
     first = projections[0][0]
     if not (ONEDNN and first.dtype == torch.float32 and first.device.type == "cpu"):
         return 0

@@ -12,6 +12,9 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tinypaged import cpu_native
+from tinypaged.model import fused
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm's maths. Half precision is normalised in float32 (as Hugging Face does); float32/64 stay as they are."""
@@ -21,14 +24,67 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+# -- the three element-wise operators of a layer, each one call --------------------------------------------------
+# Each is the maths in torch, or one C++ call where tinypaged's CPU operators apply (float32 on a CPU where they
+# were built: tinypaged/cpu_native.py), as vLLM's layers call its own kernels (fused_add_rms_norm, rotary_embedding,
+# silu_and_mul). Same numbers within float32 rounding (tests/test_cpu_native.py).
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of ``x``; with ``residual`` given, ``x += residual`` first, in place (vLLM's fused add-norm: the
+    residual stream ``x`` is updated and normalised in one pass)."""
+    native = cpu_native.usable(x)
+    if native is not None:
+        return native.add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        x.add_(residual)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one torch kernel, the same maths
+    return rms_norm(x, weight, eps)
+
+
+def rotate_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """RoPE in place on the first ``heads`` heads of ``x`` [tokens, all heads, head_dim] (Hugging Face's
+    convention: each head's two halves rotate as pairs). ``cos`` and ``signed_sin`` [tokens, head_dim] come from
+    ``RotaryEmbedding``; ``signed_sin``'s first half is negated, so that swapping the halves (a roll by half a
+    head) and multiplying gives HF's ``cat(-x2, x1) * sin``."""
+    native = cpu_native.usable(x)
+    if native is not None:
+        native.rope_(x, cos, signed_sin, heads)
+        return
+    part = x[:, :heads]
+    part.copy_(torch.addcmul(part * cos[:, None], part.roll(x.shape[-1] // 2, dims=-1), signed_sin[:, None]))
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` = [gate | up] along the last dimension (vLLM's ``silu_and_mul``)."""
+    native = cpu_native.usable(gate_up)
+    if native is not None:
+        return native.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product is the engine's GEMM (``fused.linear``: oneDNN on a prepacked weight for float32
+    on a CPU, as vLLM's CPU backend; ``F.linear`` elsewhere). Same parameters and names as ``nn.Linear``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = fused.PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fused.linear(x, self.weight, self.bias, self.packed)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The norm of ``x`` (of ``x + residual``, written into ``x``, when a residual is given)."""
+        return add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inverse_frequencies(hf_config) -> tuple[torch.Tensor, float]:
@@ -50,7 +106,7 @@ def head_dim_of(hf_config) -> int:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for arbitrary positions: a sequence's new tokens may start anywhere (chunks, cache hits)."""
+    """cos and signed sin for arbitrary positions: a sequence's new tokens may start anywhere (chunks, cache hits)."""
 
     def __init__(self, hf_config):
         super().__init__()
@@ -58,16 +114,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin), each [tokens, head_dim], made once per step for every layer (see ``rotate_``)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; rotate the two halves of each head (Hugging Face's convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+        cos = (freqs.cos() * self.scaling).to(dtype)
+        sin = (freqs.sin() * self.scaling).to(dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -79,23 +130,22 @@ class Attention(nn.Module):
         self.head_dim = head_dim_of(hf_config)
         bias = getattr(hf_config, "attention_bias", hf_config.model_type == "qwen2")
         h = hf_config.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=getattr(hf_config, "attention_bias", False))
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=getattr(hf_config, "attention_bias", False))
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = None  # fast path: a FusedLinear over [q; k; v] (tinypaged.model.fused)
+        self.qkv_proj = None  # once fused (the engine does it: fused.fuse_projections): one GEMM over [q; k; v]
 
-    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, ctx) -> torch.Tensor:
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is None:  # reference: three projections, RoPE on q and on k
-            q = apply_rope(self.q_proj(x).view(n, h, d), cos, sin)
-            k = apply_rope(self.k_proj(x).view(n, kvh, d), cos, sin)
-            v = self.v_proj(x).view(n, kvh, d)
-        else:  # one GEMM, then RoPE once on the q and k heads together
-            qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
-            qk = apply_rope(qkv[:, : h + kvh], cos, sin)
-            q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+        if self.qkv_proj is None:  # as the checkpoint stores them: three products
+            qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        else:  # the same three products as one GEMM on the stacked weights (vLLM's QKVParallelLinear)
+            qkv = self.qkv_proj(x)
+        qkv = qkv.view(n, h + 2 * kvh, d)
+        rotate_(qkv, h + kvh, cos, signed_sin)  # RoPE on the query and key heads, in place
+        q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
         out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # writes k, v into the cache, then attends
         return self.o_proj(out.reshape(n, h * d))
 
@@ -104,16 +154,17 @@ class MLP(nn.Module):
     def __init__(self, hf_config):
         super().__init__()
         h, i = hf_config.hidden_size, hf_config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
-        self.gate_up_proj = None  # fast path: a FusedLinear over [gate; up] (tinypaged.model.fused)
+        self.gate_proj = Linear(h, i, bias=False)
+        self.up_proj = Linear(h, i, bias=False)
+        self.down_proj = Linear(i, h, bias=False)
+        self.gate_up_proj = None  # once fused: one GEMM over [gate; up] (vLLM's MergedColumnParallelLinear)
 
     def forward(self, x):
         if self.gate_up_proj is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        else:
+            gate_up = self.gate_up_proj(x)
+        return self.down_proj(silu_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -124,9 +175,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.mlp = MLP(hf_config)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, pending, cos, signed_sin, ctx):
+        """``x`` is the residual stream, updated in place; ``pending`` is the previous layer's MLP output, not yet
+        added to it (each add happens inside the norm that follows it). Returns this layer's MLP output."""
+        h = self.input_layernorm(x, pending)  # x += pending; h = norm(x)
+        h = self.post_attention_layernorm(x, self.self_attn(h, cos, signed_sin, ctx))  # x += attention; norm
+        return self.mlp(h)
 
 
 class DecoderStack(nn.Module):
@@ -144,17 +198,21 @@ class CausalLM(nn.Module):
     ``input_ids`` and ``positions`` are [num_tokens]; ``ctx`` knows which tokens belong to which
     sequence. ``logits_indices`` picks the tokens whose next-token logits we need (the last token
     of each sequence that samples this step), so the vocabulary projection runs only there.
+
+    This is the engine's one forward, on every device and dtype: every layer's attention goes through
+    ``ctx.attend`` (the step's attention backend); speed comes from the operators it calls (fused projections,
+    ``add_rms_norm``, ``rotate_``, ``silu_mul``) and, on a GPU with ``enforce_eager=False``, from replaying this
+    very forward as a CUDA graph (tinypaged/worker/cuda_graphs.py). tests/test_one_forward.py fails if another
+    module loops over the layers.
     """
 
     def __init__(self, hf_config):
         super().__init__()
         self.config = hf_config
         self.model = DecoderStack(hf_config)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
         if getattr(hf_config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.compiled = None  # enforce_eager=False: the same forward, compiled (tinypaged.model.compiled)
-        self.fast_forward = None  # fast_path: the same forward as one flat loop (tinypaged.model.fused.FlatForward)
 
     @property
     def num_layers(self) -> int:
@@ -162,14 +220,11 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, ctx, logits_indices=None) -> torch.Tensor:
-        if self.compiled is not None:
-            return self.compiled(input_ids, positions, ctx, logits_indices)
-        if self.fast_forward is not None:
-            return self.fast_forward(input_ids, positions, ctx, logits_indices)
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions, x.dtype)
+        x = self.model.embed_tokens(input_ids)  # a new tensor: the residual stream, added to in place
+        cos, signed_sin = self.model.rotary(positions, x.dtype)
+        pending = None  # the last layer's MLP output, added to x by the next norm
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
+            pending = layer(x, pending, cos, signed_sin, ctx)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.model.norm(x))
+            x, pending = x[logits_indices], pending[logits_indices]
+        return self.lm_head(self.model.norm(x, pending))

@@ -1,6 +1,6 @@
 """Choosing tokens and the token rules for stopping: greedy, temperature, min-p, top-k, top-p, allowed token
 ids, bad words, per-sequence seeds, ``min_tokens``, EOS, stop token ids and length (vLLM's semantics). Stop
-strings are text: the Detokenizer (``tinypaged.engine.detokenizer``) owns them.
+strings are text: the output processor searches them after the step (``tinypaged.engine.output_processor``).
 
 * Until a sequence has ``min_tokens`` outputs, EOS and its ``stop_token_ids`` get -inf logits, so they
   cannot be chosen (vLLM's min-tokens logits processor), and no token stop check fires.
@@ -126,8 +126,9 @@ def check_stop(seq, eos_token_ids, max_model_len: int) -> tuple[FinishReason, in
     """After a token was appended: ``(finish_reason, stop_reason)`` if a token rule ends ``seq``, else None.
 
     Token rules only, as vLLM's ``check_stop``: EOS (stop_reason None) and ``stop_token_ids`` (stop_reason
-    the id) once ``min_tokens`` is reached, then ``max_tokens`` / ``max_model_len`` (LENGTH). Stop strings
-    are text, which the Detokenizer owns (``tinypaged.engine.detokenizer``). Reads ``seq``, never writes it.
+    the id) once ``min_tokens`` is reached, then ``max_tokens`` / ``max_model_len`` (LENGTH). The scheduler applies
+    it (``Scheduler.update_from_output``); stop strings are text, which the output processor searches after the
+    step (``tinypaged.engine.output_processor``). Reads ``seq``, never writes it.
     """
     p = seq.params
     n_out = len(seq.output_token_ids)

@@ -1,10 +1,10 @@
 """What the scheduler hands the model runner and the engine for one step (vLLM v1: ``sched/output.py``).
 
-The scheduler produces one ``SchedulerOutput`` per step. The runner reads only its ``batch``: plain
-data (``ScheduledChunk``: token ids, positions, slots, block ids or context slots, whether the chunk
-samples), never a live ``Sequence`` and never the KV manager. The engine reads ``scheduled`` (the
-sequences, in the same order) to advance progress, sample and report the step. Nobody changes it
-after ``Scheduler.schedule`` has checked it (``check_schedule``).
+The scheduler produces one ``SchedulerOutput`` per step. The runner reads only its ``batch`` and its block
+moves: plain data (``ScheduledChunk``: token ids, positions, slots, block ids or context slots, whether the
+chunk samples; block id pairs to swap and copy), never a live ``Sequence`` and never the KV manager. The
+engine reads ``scheduled`` (the sequences, in the same order) to advance progress, sample and report the
+step. Nobody changes it after ``Scheduler.schedule`` has checked it (``check_schedule``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch.
+    """One step's batch, and the KV data the worker moves before it (vLLM v0's ``blocks_to_swap_out``,
+    ``blocks_to_swap_in``, ``blocks_to_copy``).
 
     Invariants: a sequence appears in ``scheduled`` at most once; ``num_batched_tokens <=
     max_num_batched_tokens``; ``preempted`` lists the sequences preempted while this step was formed
@@ -67,12 +68,23 @@ class SchedulerOutput:
     batch's members that have finished but still hold a batch slot (0 under continuous batching);
     ``batch`` is the runner's view of ``scheduled`` (one ``ScheduledChunk`` each, same order), made by
     the scheduler once the step is checked.
+
+    The block moves are the KV manager's decisions of this step (``tinypaged.kv.block_moves``), as
+    ``(from, to)`` block id pairs: ``blocks_to_swap_out`` (device block, CPU block) for swap preemption,
+    ``blocks_to_swap_in`` (CPU block, device block) for a swapped group resuming, ``blocks_to_copy``
+    (source, destination device blocks) for copy-on-write. The worker applies them before the forward
+    (and in a step that runs nothing), in that order, each list as one batch: swap-outs first, so a device
+    block freed by a swap-out can take a swap-in or a copy in the same step; copies last, so a block just
+    swapped in can be copied. A destination appears once per list; no source is written by a later list.
     """
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     num_idle_slots: int = 0
     batch: list[ScheduledChunk] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -18,7 +18,7 @@
   finishes, then form the next. A request joins only when the memory it could ever need is
   guaranteed, so nothing is preempted.
 
-A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduling_policy=my_step)``.
+A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduler_cls=my_step)``.
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ class PlanPolicy:
 
     def __init__(self, step_fn=schedule_step):
         if not callable(step_fn):
-            raise TypeError(f"scheduling_policy must be a schedule_step-like function or an object with "
+            raise TypeError(f"scheduler_cls must be a schedule_step-like function or an object with "
                             f"schedule(scheduler); got {type(step_fn).__name__}")
         self.step_fn = step_fn
 

@@ -1,6 +1,10 @@
 """Preemption (stage 4): a running sequence gives its KV memory back, by recompute (vLLM v1) or by swapping
 to CPU memory with its running siblings (vLLM v0); a preempted group goes back to the front of its queue.
 Functions of the scheduler's state, called by the scheduler and its plan adapter (``StepKV``) only.
+
+Swapping here only decides: the KV manager picks the blocks and records the data moves, which the scheduler
+hands the worker in the step's ``SchedulerOutput`` (``blocks_to_swap_out`` / ``blocks_to_swap_in``); the
+worker makes them before the step's forward. Nothing in ``tinypaged.sched`` touches KV data.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def preempt(sched, seq: Sequence, requeue: bool = True) -> list[Sequence]:
         sched.num_preemptions += 1
         s.num_preemptions += 1
     if swap:
-        sched.kv.swap_out(group, sched.swapper.copy_to_cpu)
+        sched.kv.swap_out(group)  # the data moves go to the step's output
         for s in group:
             s.status = SequenceStatus.SWAPPED
         how = f"swapped {len(group)} sequence(s) to CPU memory"
@@ -71,7 +75,7 @@ def swap_in(sched, group: list[Sequence], num_new_tokens: int = 1) -> bool:
     """Bring a swapped group back (all or nothing), with room for each one's next tokens; it runs again."""
     if not sched.kv.can_swap_in(group, num_new_tokens):
         return False
-    sched.kv.swap_in(group, sched.swapper.copy_to_gpu)
+    sched.kv.swap_in(group)  # the data moves go to the step's output
     sched.swapped.remove(group)
     for s in group:
         sched.start_running(s)

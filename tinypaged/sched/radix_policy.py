@@ -43,7 +43,7 @@ class _ReorderedView:
 
 
 class CacheAwareOrder:
-    """A ``SchedulingPolicy``: ``LLM(scheduling_policy=CacheAwareOrder("lpm"))``."""
+    """A ``SchedulingPolicy``: ``LLM(scheduler_cls=CacheAwareOrder("lpm"))`` (``scheduling_policy="lpm"`` names the same order)."""
 
     def __init__(self, order: str = "lpm", fcfs_above: int = 128, inner=None):
         if not callable(order) and order not in ORDERS:

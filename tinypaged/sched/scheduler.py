@@ -10,8 +10,9 @@ Continuous batching is the exercise's ``schedule_step`` itself: a plan policy (o
 adapter, ``tinypaged.sched.step_adapter.StepKV``, which applies it to the queues and the KV manager.
 A policy object with ``schedule(scheduler)`` instead (``StaticBatching``, a plug-in) acts through the
 scheduler's actions. Either way the step's output is a ``tinypaged.sched.output.SchedulerOutput``,
-checked here (``check_schedule``) and given the runner's data (``make_batch``). The scheduler is the
-only writer of a ``Sequence``'s progress, queue status and finish.
+with the KV manager's block moves of the step (``take_block_moves``: its swaps and copy-on-write copies,
+which the worker makes), checked here (``check_schedule``) and given the runner's data (``make_batch``).
+The scheduler is the only writer of a ``Sequence``'s progress, queue status and finish.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Scheduler:
     ``preemption``).
     """
 
-    def __init__(self, config, kv_manager, policy, clock=lambda: float("inf"), swapper=None,
+    def __init__(self, config, kv_manager, policy, clock=lambda: float("inf"),
                  check_invariants: bool = False, runner_batch: bool = True):
         self.config = config
         self.check_invariants = check_invariants  # check_no_overwrite each step (on for plug-ins)
@@ -50,7 +51,6 @@ class Scheduler:
         self.kv = kv_manager
         self.policy = policy
         self.clock = clock
-        self.swapper = swapper  # KVCacheTensors, for preemption_mode="swap"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[list[Sequence]] = deque()  # groups of siblings swapped out together (v0)
@@ -82,6 +82,9 @@ class Scheduler:
             out = StepKV(self, None if order is None else order(self)).run(policy.plan)
         else:
             out = policy.schedule(self)
+        take_moves = getattr(self.kv, "take_block_moves", None)  # a paged manager's copies and swaps, for the worker
+        if take_moves is not None:
+            out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = take_moves()
         check_schedule(out, self)
         if not (out.scheduled or out.preempted or self.running) and (self.swapped or head_arrived):
             head = self.swapped[0][0] if self.swapped else self.waiting[0]
@@ -169,16 +172,30 @@ class Scheduler:
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.append_token(tok, lp, now)
 
-    def update_from_output(self, seqs, tokens, logprobs, now: float, stop_check) -> list[Sequence]:
-        """Append each sampled token; finish (and free) the sequences ``stop_check`` says are done."""
+    def update_from_output(self, seqs, tokens, logprobs, now: float, check_stop) -> list[Sequence]:
+        """Append each sampled token; finish (and free) the sequences a token rule ends. ``check_stop(seq)`` is
+        the token rules alone (``sampler.check_stop`` bound to the EOS ids and ``max_model_len``: a verdict
+        ``(finish_reason, stop_reason)`` or None; it reads the sequence and writes nothing). Stop strings are text:
+        the output processor searches them after the step and ends a sequence through ``finish_by_stop_string``."""
         self.append_tokens(seqs, tokens, logprobs, now)
         done = []
         for seq in seqs:
-            verdict = stop_check(seq)
+            verdict = check_stop(seq)
             if verdict is not None:
                 self.finish(seq, *verdict, now=now)
                 done.append(seq)
         return done
+
+    def finish_by_stop_string(self, seq: Sequence, stop: str, now: float | None = None) -> None:
+        """The output processor found stop string ``stop`` in ``seq``'s text after this step's token (vLLM v1: the
+        front end aborts that request in the engine core): ``seq`` finishes STOP with the string, its blocks freed.
+        A stop string beats a length finish: a sequence the token rules finished by length in the same step keeps
+        its time and freed blocks and only changes its reason."""
+        if seq.is_finished:
+            if seq.finish_reason is FinishReason.LENGTH:
+                seq.finish_reason, seq.stop_reason = FinishReason.STOP, stop
+            return
+        self.finish(seq, FinishReason.STOP, stop, now)
 
     def finish(self, seq: Sequence, reason: FinishReason, stop_reason=None, now: float | None = None) -> None:
         if not isinstance(reason, FinishReason):
@@ -229,28 +246,18 @@ def check_schedule(out: SchedulerOutput, sched: Scheduler) -> None:
 
 
 def make_policy(config):
-    """The policy that ``config.scheduling_policy`` names: "fcfs" or "continuous" (``schedule_step``, vLLM
-    v1's rules), "priority" (``PriorityOrder``: the same step over requests ranked by priority, then arrival),
-    "lpm" (stage 7's ``CacheAwareOrder("lpm")``), "static", a schedule_step-like function, or a policy object
-    (or a class, built with no arguments) with ``plan(running, waiting, budget, max_num_seqs, kv)`` or
-    ``schedule(scheduler)``. ``EngineConfig.verify`` has checked which one it is."""
+    """The policy that ``config.scheduler_cls`` and ``config.scheduling_policy`` name: with no ``scheduler_cls``,
+    "fcfs" (``schedule_step``, vLLM v1's rules), "priority" (``PriorityOrder``: the same step over requests ranked
+    by priority, then arrival) or "lpm" (stage 7's ``CacheAwareOrder("lpm")``); else ``_custom_scheduler``.
+    ``EngineConfig.verify`` has checked both (old spellings are errors there)."""
     p = config.scheduling_policy
     if config.scheduler_cls is not None:
         return _custom_scheduler(config.scheduler_cls, p)
-    if isinstance(p, str):
-        if p in ("fcfs", "continuous"):
-            return PlanPolicy(schedule_step)
-        if p == "priority":
-            return PriorityOrder()
-        if p == "lpm":
-            return CacheAwareOrder("lpm")
-        if p == "static":
-            return StaticBatching()
-    if isinstance(p, type):
-        p = p()
-    if hasattr(p, "plan") or hasattr(p, "schedule"):
-        return p
-    return PlanPolicy(p)
+    if p == "priority":
+        return PriorityOrder()
+    if p == "lpm":
+        return CacheAwareOrder("lpm")
+    return PlanPolicy(schedule_step)  # "fcfs"
 
 
 def _custom_scheduler(cls, order: str):

@@ -42,9 +42,10 @@ class KVCacheTensors:
         ids = torch.as_tensor(block_ids, dtype=torch.long)
         return (ids[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy-on-write: duplicate one block's keys and values in every layer."""
-        s, d = self._block_slots([src]).to(self.keys.device), self._block_slots([dst]).to(self.keys.device)
+    def copy_blocks(self, src_blocks, dst_blocks) -> None:
+        """Copy-on-write: each source block's keys and values to its destination block, in every layer (all
+        sources are read before any destination is written)."""
+        s, d = self._block_slots(src_blocks).to(self.keys.device), self._block_slots(dst_blocks).to(self.keys.device)
         self.keys[:, d] = self.keys[:, s]
         self.values[:, d] = self.values[:, s]
 
@@ -57,3 +58,14 @@ class KVCacheTensors:
         g, c = self._block_slots(gpu_blocks), self._block_slots(cpu_blocks)
         self.keys[:, g.to(self.keys.device)] = self.cpu_keys[:, c].to(self.keys.device)
         self.values[:, g.to(self.keys.device)] = self.cpu_values[:, c].to(self.keys.device)
+
+    def move_blocks(self, swap_out=(), swap_in=(), copies=()) -> None:
+        """One step's block moves, lists of ``(from, to)`` block id pairs (``SchedulerOutput.blocks_to_swap_out``,
+        ``blocks_to_swap_in``, ``blocks_to_copy``), in vLLM v0's order: swap-outs (device -> CPU), then swap-ins
+        (CPU -> device), then copy-on-write copies (``cache_swap`` then ``cache_copy``)."""
+        if swap_out:
+            self.copy_to_cpu(*zip(*swap_out))
+        if swap_in:
+            self.copy_to_gpu(*zip(*swap_in))
+        if copies:
+            self.copy_blocks(*zip(*copies))

@@ -2,9 +2,11 @@
 
 Per step it reads the scheduler's batch (``SchedulerOutput.batch``: ``ScheduledChunk`` data, no live
 ``Sequence``), flattens the token ids and positions, builds the attention context from the slots and
-block ids the scheduler put there, runs the model and returns the logits of the chunks that sample.
-It never calls the KV manager. ``check_slots`` enforces the cheap half of the KV manager's contract
-before anything is written (the scheduler's ``check_no_overwrite`` the other).
+block ids the scheduler put there, runs the model and returns the logits of the chunks that sample;
+before that (``move_blocks``) it makes the step's swaps and copy-on-write copies, which the KV manager
+decided and the scheduler listed in the ``SchedulerOutput``. It never calls the KV manager. ``check_slots``
+enforces the cheap half of the KV manager's contract before anything is written (the scheduler's
+``check_no_overwrite`` the other).
 """
 
 from __future__ import annotations
@@ -135,6 +137,12 @@ class ModelRunner:
                                    capture_sizes(max_num_seqs), blocks_needed(max_model_len, self.block_size),
                                    graph_factory)
 
+    def move_blocks(self, swap_out, swap_in, copies) -> None:
+        """The step's block moves, decided by the KV manager (``SchedulerOutput.blocks_to_swap_out``,
+        ``blocks_to_swap_in``, ``blocks_to_copy``), made before its forward: swap-outs, swap-ins, then copies."""
+        if swap_out or swap_in or copies:
+            self.tensors.move_blocks(swap_out, swap_in, copies)
+
     def execute(self, batch):
         """Forward ``batch`` (``SchedulerOutput.batch``); returns (logits of the sampling chunks [N, vocab],
         those chunks). A decode-only step replays a captured graph where there is one."""
@@ -204,7 +212,7 @@ class ModelRunner:
         tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
                                  self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
         spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
-                           cpu_blocks, tensors.copy_block, c.enable_kv_cache_events)
+                           cpu_blocks, enable_kv_cache_events=c.enable_kv_cache_events)
         # stage 6's max_concurrency, for the log line only: a student edition's is the learner's, unwritten in an
         # earlier stage's class (it raises NotImplementedError, which no engine start should fail on)
         try:

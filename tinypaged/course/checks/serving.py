@@ -2,7 +2,7 @@
 be transformers' tokens for the same prompts.
 
 The implementation under test is a dict of ``LLM`` keyword arguments (the engine's plug-in points:
-``kv_cache_manager=``, ``scheduling_policy=``, ``attention_backend=``) built by a given cell of the
+``kv_cache_manager=``, ``scheduler_cls=``, ``attention_backend=``) built by a given cell of the
 notebook from the learner's classes and functions. The expected tokens come from
 ``transformers``' ``generate`` on the same weights (``hf_greedy``), computed in whichever process judges,
 so the grader never takes the kernel's word for them. A check may also assert facts about the run that

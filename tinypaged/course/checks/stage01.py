@@ -266,7 +266,7 @@ def _regions_released(llm, outs) -> bool:
 serving_check("01", "serve_contiguous", prompts=("The capital of France is", "def fibonacci(n):"), max_tokens=8,
               engine_kwargs=dict(reservation_policy="pow2", kv_cache_tokens=256,
                                  max_model_len=64, max_num_seqs=2, dtype="float32", device="cpu",
-                                 scheduling_policy=OneAtATime),  # not stage 4's schedule_step, unwritten yet
+                                 scheduler_cls=OneAtATime),  # not stage 4's schedule_step, unwritten yet
               preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("every region was released at the end (usage 0)", _regions_released)],
               uses=("reservation_tokens", "free_holes", "first_fit", "ContiguousAllocator"))

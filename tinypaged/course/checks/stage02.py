@@ -274,7 +274,7 @@ serving_check("02", "serve_paged", prompts=("Once upon a time", "Paged attention
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=16, max_model_len=64, max_num_seqs=2,
                                  dtype="float32", device="cpu",
-                                 scheduling_policy=OneAtATime),  # not stage 4's schedule_step, unwritten yet
+                                 scheduler_cls=OneAtATime),  # not stage 4's schedule_step, unwritten yet
               preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("every block was back in the free queue at the end", _blocks_back)],
               uses=("BlockAllocator", "slot_mapping", "BlockTables", "gather_kv", "paged_attention"))

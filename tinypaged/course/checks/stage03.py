@@ -383,7 +383,7 @@ serving_check("03", "serve_prefix_cache",
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64, max_num_seqs=1,
                                  enable_prefix_caching=True, dtype="float32", device="cpu",
-                                 scheduling_policy=OneAtATime),  # not stage 4's schedule_step, unwritten yet
+                                 scheduler_cls=OneAtATime),  # not stage 4's schedule_step, unwritten yet
               preflight=_preflight, adapters=("kv_cache_manager",),
               facts=[("the third request found its prefix in the cache", _hits)],
               uses=("append_slot", "free_table", "hash_chain", "PrefixCache", "longest_cached_prefix"))

@@ -1,10 +1,19 @@
-"""The fast path (fused projections, torch's fused attention) computes what the reference path computes."""
+"""One model forward (issue #46): ``tinypaged.model.llama``'s, on every device, through the attention seam.
+
+Its fused projections compute what the checkpoint's three (two) projections compute, its default attention
+("sdpa") what the reference "torch" backend computes, its oneDNN GEMMs what ``F.linear`` computes, and no other
+module in the package runs the layers.
+"""
 
 from __future__ import annotations
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
+import tinypaged
 from tinypaged import LLM, SamplingParams
 from tinypaged.attention.backends import TorchBackend
 from tinypaged.attention.sdpa import SDPABackend
@@ -12,11 +21,17 @@ from tinypaged.attention.sdpa import SDPABackend
 PROMPTS = [{"prompt_token_ids": [(7 * i + 3 * j) % 4000 + 3 for j in range(9 + 6 * i)]} for i in range(6)]
 
 
-def run(fast_path: bool, dtype="float64", **kw):
+def run(reference: bool, dtype="float64", monkeypatch=None, **kw):
     """Greedy tokens and every step's logits; a small step budget makes prompts arrive in chunks
-    (prefills starting past position 0) beside decodes of the others."""
-    llm = LLM("tiny", dtype=dtype, device="cpu", fast_path=fast_path, max_num_seqs=4, max_num_batched_tokens=16,
+    (prefills starting past position 0) beside decodes of the others. ``reference``: the checkpoint's
+    unfused projections and the "torch" attention backend (the lessons' reference), else the defaults."""
+    if reference:
+        monkeypatch.setattr("tinypaged.engine.llm_engine.fuse_projections", lambda model: None)
+        kw.setdefault("attention_backend", "torch")
+    llm = LLM("tiny", dtype=dtype, device="cpu", max_num_seqs=4, max_num_batched_tokens=16,
               block_size=4, kv_cache_tokens=1024, max_model_len=64, **kw)
+    if reference:
+        monkeypatch.undo()
     runner, logits = llm.llm_engine.runner, []
     execute = runner.execute
     runner.execute = lambda scheduled: (lambda out: logits.append(out[0]) or out)(execute(scheduled))
@@ -26,45 +41,84 @@ def run(fast_path: bool, dtype="float64", **kw):
 
 @pytest.mark.parametrize("kw", [dict(), dict(kv_cache_manager="contiguous"), dict(enable_prefix_caching=True)],
                          ids=["paged", "contiguous", "prefix-caching"])
-def test_fast_path_equals_reference_in_float64(kw):
-    ref_tokens, ref_logits, _ = run(False, **kw)
-    fast_tokens, fast_logits, _ = run(True, **kw)
-    assert fast_tokens == ref_tokens
-    assert len(fast_logits) == len(ref_logits) > 10
-    for a, b in zip(ref_logits, fast_logits):
+def test_the_engine_equals_the_unfused_reference_in_float64(kw, monkeypatch):
+    ref_tokens, ref_logits, ref = run(True, monkeypatch=monkeypatch, **kw)
+    tokens, logits, llm = run(False, **kw)
+    assert ref.llm_engine.model.model.layers[0].self_attn.qkv_proj is None  # the reference really is unfused
+    assert llm.llm_engine.model.model.layers[0].self_attn.qkv_proj is not None
+    assert tokens == ref_tokens
+    assert len(logits) == len(ref_logits) > 10
+    for a, b in zip(ref_logits, logits):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
 
 
-def test_fast_path_float32_stays_close():
-    ref_tokens, ref_logits, _ = run(False, dtype="float32")
-    fast_tokens, fast_logits, _ = run(True, dtype="float32")
-    assert fast_tokens == ref_tokens
-    for a, b in zip(ref_logits, fast_logits):
+def test_float32_stays_close_to_the_reference(monkeypatch):
+    ref_tokens, ref_logits, _ = run(True, dtype="float32", monkeypatch=monkeypatch)
+    tokens, logits, _ = run(False, dtype="float32")
+    assert tokens == ref_tokens
+    for a, b in zip(ref_logits, logits):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 
 
-def test_the_flag_picks_the_path():
-    ref = LLM("tiny", device="cpu", fast_path=False, kv_cache_tokens=256).llm_engine
-    fast = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine  # the default
-    assert type(ref.runner.backend) is TorchBackend and isinstance(fast.runner.backend, SDPABackend)
-    for engine, fused in ((ref, False), (fast, True)):
-        layer = engine.model.model.layers[0]
-        assert (layer.self_attn.qkv_proj is not None) == fused and (layer.mlp.gate_up_proj is not None) == fused
-    # Hugging Face's names, and nothing more, in either state_dict
-    assert list(ref.model.state_dict()) == list(fast.model.state_dict())
+def test_the_default_backend_and_fused_projections():
+    engine = LLM("tiny", device="cpu", kv_cache_tokens=256).llm_engine
+    assert isinstance(engine.runner.backend, SDPABackend) and engine.config.attention_backend == "sdpa"
+    layer = engine.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is not None and layer.mlp.gate_up_proj is not None
+    names = list(engine.model.state_dict())  # Hugging Face's names, and nothing more
+    assert "model.layers.0.self_attn.q_proj.weight" in names and not any("qkv" in n or "gate_up" in n for n in names)
 
 
 def test_a_named_backend_runs_what_its_name_says():
-    """No silent swap: "torch" is the reference whatever fast_path says, "sdpa" is torch's fused attention; only an
-    unset attention_backend follows fast_path, and the config then names the one that runs."""
-    cases = [(dict(attention_backend="torch"), TorchBackend), (dict(attention_backend="sdpa", fast_path=False),
-                                                               SDPABackend), (dict(fast_path=False), TorchBackend)]
+    """No silent swap: "torch" is the reference, "sdpa" is torch's fused attention; an unset attention_backend is
+    "sdpa" on a CPU, and the config then names the one that runs."""
+    cases = [(dict(attention_backend="torch"), TorchBackend), (dict(attention_backend="sdpa"), SDPABackend),
+             (dict(), SDPABackend)]
     for kw, kind in cases:
         engine = LLM("tiny", device="cpu", kv_cache_tokens=256, **kw).llm_engine
         assert type(engine.runner.backend) is kind, kw
         assert engine.config.attention_backend == {TorchBackend: "torch", SDPABackend: "sdpa"}[kind]
     with pytest.raises(ValueError, match="attention_backend='fused'.*'torch', 'sdpa', 'triton'"):
         LLM("tiny", device="cpu", kv_cache_tokens=256, attention_backend="fused")
+
+
+def test_the_removed_fast_path_knob_is_an_error_naming_it():
+    with pytest.raises((TypeError, ValueError), match="fast_path"):
+        LLM("tiny", device="cpu", kv_cache_tokens=256, fast_path=False)
+
+
+PACKAGE = Path(tinypaged.__file__).parent
+
+
+def loops_over_layers(tree: ast.AST) -> list[str]:
+    """Functions that run the model's layers: a ``for`` over ``<something>.layers`` whose body calls a layer or a
+    layer's part (``ctx``, ``attend`` or the loop variable called). Loops that only read weights do not count."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for loop in ast.walk(fn):
+            if not (isinstance(loop, ast.For) and isinstance(loop.iter, ast.Attribute) and loop.iter.attr == "layers"):
+                continue
+            names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+            for call in (n for stmt in loop.body for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+                f = call.func
+                runs = (isinstance(f, ast.Name) and f.id in names) or (isinstance(f, ast.Attribute) and f.attr == "attend") \
+                    or any(isinstance(a, ast.Name) and a.id == "ctx" for a in call.args)
+                if runs:
+                    found.append(f"{fn.name} (line {loop.lineno})")
+                    break
+    return found
+
+
+def test_only_the_models_own_forward_runs_the_layers():
+    """A second whole-model path (a flat loop, a compiled copy, a C++ call taking every layer) fails here."""
+    assert loops_over_layers(ast.parse("def f(m, x, ctx):\n    for layer in m.model.layers:\n        x = layer(x, ctx)\n"))
+    assert not loops_over_layers(ast.parse("def f(m):\n    for layer in m.model.layers:\n        print(layer.mlp)\n"))
+    found = {str(p.relative_to(PACKAGE)): loops_over_layers(ast.parse(p.read_text())) for p in PACKAGE.rglob("*.py")}
+    found = {path: fns for path, fns in found.items() if fns}
+    assert list(found) == ["model/llama.py"] and len(found["model/llama.py"]) == 1, found
+    assert found["model/llama.py"][0].startswith("forward")
 
 
 def test_fused_weights_are_the_layers_weights():
@@ -80,9 +134,9 @@ def test_fused_weights_are_the_layers_weights():
         torch.testing.assert_close(attn.q_proj.weight, state["model.layers.1.self_attn.q_proj.weight"])
 
 
-def test_every_fast_path_projection_goes_through_onednn_linear_and_equals_f_linear(monkeypatch):
-    """float32 on a CPU: the fast path's GEMMs call oneDNN (``fused.linear``), numbers as ``F.linear``'s; float64
-    (which oneDNN does not take) and the reference path keep ``F.linear``."""
+def test_every_projection_goes_through_onednn_linear_and_equals_f_linear(monkeypatch):
+    """Every product of a step goes through ``fused.linear`` with its packed weight; in float32 on a CPU that is
+    oneDNN, numbers as ``F.linear``'s (float64, which oneDNN does not take, falls back on ``F.linear`` there)."""
     from tinypaged.model import fused
 
     if not fused.ONEDNN:
@@ -94,14 +148,14 @@ def test_every_fast_path_projection_goes_through_onednn_linear_and_equals_f_line
         torch.testing.assert_close(fused.linear(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     calls = []
-    pointwise = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(fused, "linear", lambda x, w, b=None, packed=None: calls.append(packed is not None) or
-                        pointwise(x, w, b, "none", [], ""))
-    for fast, expected in ((True, 4 * 2 + 1), (False, 0)):  # tiny: 2 layers x (qkv, o, gate_up, down) + lm_head
+    real = fused.linear
+    monkeypatch.setattr(fused, "linear", lambda x, w, b=None, packed=None: calls.append((x.dtype, packed is not None))
+                        or real(x, w, b, packed))
+    for dtype in ("float32", "float64"):  # tiny: 2 layers x (qkv, o, gate_up, down) + lm_head
         calls.clear()
-        llm = LLM("tiny", device="cpu", dtype="float32", fast_path=fast, kv_cache_tokens=256)
+        llm = LLM("tiny", device="cpu", dtype=dtype, kv_cache_tokens=256)
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=1))
-        assert len(calls) == expected and all(calls), fast  # every projection brings its packed weight
+        assert calls == [(getattr(torch, dtype), True)] * (4 * 2 + 1), dtype  # each brings its packed weight
 
 
 @pytest.mark.parametrize("gemv_rows", [3, 0])
@@ -194,9 +248,9 @@ def test_packed_weights_equal_f_linear_and_follow_every_change_to_the_weight():
             value.mul_(-1.5)  # writes through the views into the fused [q; k; v] and [gate; up] tensors
     model.load_state_dict(state)
     after = llm.generate(prompt, greedy)[0].outputs[0].token_ids
-    reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
-    reference.llm_engine.model.load_state_dict(state)
-    assert after == reference.generate(prompt, greedy)[0].outputs[0].token_ids != before
+    fresh = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256)  # fused from the new weights
+    fresh.llm_engine.model.load_state_dict(state)
+    assert after == fresh.generate(prompt, greedy)[0].outputs[0].token_ids != before
 
 
 def test_warm_up_packs_every_projection_before_the_first_request_and_changes_nothing():
@@ -213,9 +267,9 @@ def test_warm_up_packs_every_projection_before_the_first_request_and_changes_not
     llm = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256)
     model = llm.llm_engine.model
     packs = [p for layer in model.model.layers for p in (layer.self_attn.qkv_proj.packed, layer.mlp.gate_up_proj.packed,
-                                                          layer.self_attn.o_proj.forward.packed,
-                                                          layer.mlp.down_proj.forward.packed)]
-    packs.append(model.lm_head.forward.packed)
+                                                          layer.self_attn.o_proj.packed,
+                                                          layer.mlp.down_proj.packed)]
+    packs.append(model.lm_head.packed)
     assert all(p.tensor is None for p in packs)
     shapes = {tuple(w.shape) for w in (model.model.layers[0].self_attn.qkv_proj.weight, model.lm_head.weight,
                                        model.model.layers[0].mlp.gate_up_proj.weight,
@@ -226,23 +280,24 @@ def test_warm_up_packs_every_projection_before_the_first_request_and_changes_not
     # batches past WARM_ROWS are not warmed: the default max_num_seqs (256) runs 32 products per shape, not 256
     assert fused.warm_up(model, llm.llm_engine.config.max_num_seqs) == fused.WARM_ROWS * len(shapes) < 256 * len(shapes)
     assert token_ids_of(llm.generate(prompt, greedy)) == token_ids_of(cold)
-    reference = LLM("tiny", device="cpu", dtype="float32", kv_cache_tokens=256, fast_path=False)
-    assert fused.warm_up(reference.llm_engine.model, 4) == 0
+    from tinypaged.model.loader import load_model
+
+    unfused = load_model("tiny", torch.float32, torch.device("cpu"), 0)  # as loaded, before the engine fuses it
+    assert fused.warm_up(unfused, 4) == 0
 
 
 def token_ids_of(outputs):
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_flat_forward_runs_the_fast_path_and_reads_the_models_parts_at_every_step():
-    """The fast path's forward is ``FlatForward`` (one loop, no module calls); it reads each norm weight and
-    projection where the model keeps it, so a change made in place after the engine was built (``load_state_dict``
-    on norms and o_proj/down_proj) reaches the next step, with the reference path's numbers (float64)."""
-    from tinypaged.model.fused import FlatForward
-
+def test_the_forward_reads_the_models_parts_at_every_step(monkeypatch):
+    """The forward reads each norm weight and projection where the model keeps it, so a change made in place after
+    the engine was built (``load_state_dict`` on norms and o_proj/down_proj) reaches the next step, with the
+    unfused reference's numbers (float64)."""
     fast = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256)
-    ref = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256, fast_path=False)
-    assert isinstance(fast.llm_engine.model.fast_forward, FlatForward) and ref.llm_engine.model.fast_forward is None
+    monkeypatch.setattr("tinypaged.engine.llm_engine.fuse_projections", lambda model: None)
+    ref = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256, attention_backend="torch")
+    monkeypatch.undo()
     prompt, greedy = [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=6)
     before = token_ids_of(fast.generate(prompt, greedy))
     state = {k: v.clone() for k, v in fast.llm_engine.model.state_dict().items()}
