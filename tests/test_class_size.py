@@ -17,7 +17,6 @@ LIMIT = 200
 # (path relative to the package, class name) -> reason; being split concurrently (issue #47), 2026-12
 KNOWN: dict[tuple[str, str], str] = {
     ("engine/llm_engine.py", "LLMEngine"): "the engine's step, requests and metrics in one class",
-    ("worker/model_runner.py", "ModelRunner"): "the runner's forward, KV tensors and profiling",
 }
 
 

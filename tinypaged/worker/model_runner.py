@@ -1,4 +1,5 @@
-"""The model runner owns the device: the KV tensors, memory profiling, and one forward per step.
+"""The model runner owns the device: the KV tensors, the profiling forward, and one forward per step (what memory
+is free and may be taken: ``tinypaged.worker.memory``).
 
 Per step it reads the scheduler's batch (``SchedulerOutput.batch``: ``ScheduledChunk`` data, no live
 ``Sequence``), flattens the token ids and positions, builds the attention context from the slots and
@@ -12,29 +13,21 @@ enforces the cheap half of the KV manager's contract before anything is written 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
 from tinypaged.attention.backends import DecodeBatch, ForwardContext, paged_context_slots
 from tinypaged.kv.block_pool import blocks_needed
 from tinypaged.interfaces import InvariantError, KVCacheSpec
-from tinypaged.kv.sizing import KVLayout, max_concurrency, size_kv_cache, sizing_knob
+from tinypaged.kv.sizing import KVLayout, max_concurrency, size_kv_cache
 from tinypaged.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from tinypaged.worker.kv_cache import KVCacheTensors, kv_bytes_per_token
+from tinypaged.worker.memory import check_memory, memory_snapshot, profile_free_gpu_bytes
+
+__all__ = ["ModelRunner", "memory_snapshot"]
 from tinypaged.model.llama import head_dim_of
 
 logger = logging.getLogger("tinypaged")
-
-
-def memory_snapshot(device) -> tuple[int, int, int, int] | None:
-    """(free, total, torch allocated, torch reserved) bytes on a CUDA ``device``, None elsewhere. Taken
-    before the weights load: GPU sizing (``profile_free_gpu_bytes``) counts only what this engine adds
-    after it, and vLLM refuses to start when less is free than the share it was given."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return free, total, torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
 
 
 class ModelRunner:
@@ -161,54 +154,17 @@ class ModelRunner:
         """What one token's keys and values take in this model (``tinypaged.kv.sizing``)."""
         return KVLayout(*self.kv_shape, torch.empty((), dtype=self.dtype).element_size())
 
-    def check_memory(self, c, kv_bytes: int, swap_bytes: int) -> None:
-        """Refuse, before allocating, a KV cache (or swap space) larger than the memory there is."""
-        knob, name = sizing_knob(c, self.device.type == "cuda")
-        host = available_host_bytes()
-        device_free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else host
-        if device_free is not None and kv_bytes > device_free:
-            where = "on the GPU" if self.device.type == "cuda" else "in this machine's memory (MemAvailable)"
-            raise ValueError(f"{knob} asks for a KV cache of {_gib(kv_bytes)}, but only {_gib(device_free)} is "
-                             f"free {where}: lower {name}")
-        if swap_bytes and host is not None and swap_bytes + (kv_bytes if self.device.type == "cpu" else 0) > host:
-            raise ValueError(f"swap_space={c.swap_space} GiB asks for {_gib(swap_bytes)} of CPU memory beside the KV "
-                             f"cache, but only {_gib(host)} is available (MemAvailable): lower swap_space")
-
-    def profile_free_gpu_bytes(self, c, mem_at_start) -> int:
-        """vLLM v1's sizing: requested = total x gpu_memory_utilization; KV = requested - (weights +
-        activation peak of a max-size forward + memory torch does not track)."""
-        # as vLLM: what this engine adds since start-up counts; memory others (or earlier engines in
-        # this process) already held only lowers what is free
-        free_start, total, allocated_start, reserved_start = mem_at_start
-        requested = int(total * c.gpu_memory_utilization)
-        if free_start < requested:
-            raise ValueError(
-                f"Free memory on the device at start-up ({free_start / 2**30:.2f} of {total / 2**30:.2f} GiB) is "
-                f"less than the requested share gpu_memory_utilization={c.gpu_memory_utilization} "
-                f"({requested / 2**30:.2f} GiB); lower gpu_memory_utilization or free memory used by other processes.")
-        peak = self.profile_peak_bytes(c.max_num_batched_tokens, c.max_model_len, c.max_num_seqs) - allocated_start
-        free_now, _ = torch.cuda.mem_get_info(self.device)
-        grown = free_start - free_now  # what this process added on the device since start-up
-        non_torch = max(0, grown - (torch.cuda.memory_reserved(self.device) - reserved_start))
-        available = requested - peak - non_torch
-        if available <= 0:
-            raise ValueError(
-                f"No memory is left for the KV cache: weights and activations peak at {peak / 2**30:.2f} GiB "
-                f"(+{non_torch / 2**30:.2f} GiB outside torch) of the {requested / 2**30:.2f} GiB allowed; raise "
-                f"gpu_memory_utilization or lower max_num_batched_tokens.")
-        return available
-
     def allocate_kv_cache(self, c, mem_at_start=None) -> tuple[KVCacheTensors, KVCacheSpec]:
         """Size the cache (vLLM's knobs), allocate its tensors, and describe it for a KV manager."""
         size = size_kv_cache(c, self.kv_layout, self.device.type == "cuda",
-                             lambda: self.profile_free_gpu_bytes(c, mem_at_start))
+                             lambda: profile_free_gpu_bytes(self, c, mem_at_start))
         num_blocks, block_size = size.num_blocks, size.block_size
         paged = c.kv_layout == "paged"
         cpu_blocks = 0
         if c.preemption_mode == "swap":
             cpu_blocks = int(c.swap_space * 2**30) // (self.bytes_per_token * c.block_size)
-        self.check_memory(c, num_blocks * block_size * self.bytes_per_token,
-                          cpu_blocks * c.block_size * self.bytes_per_token)
+        check_memory(c, self.device, num_blocks * block_size * self.bytes_per_token,
+                     cpu_blocks * c.block_size * self.bytes_per_token)
         tensors = KVCacheTensors(self.kv_shape[0], num_blocks * block_size, *self.kv_shape[1:], self.dtype,
                                  self.device, block_size=block_size, num_cpu_blocks=cpu_blocks)
         spec = KVCacheSpec(num_blocks, block_size, c.max_model_len, c.enable_prefix_caching, c.reservation_policy,
@@ -260,23 +216,3 @@ class ModelRunner:
             del scratch
             torch.cuda.empty_cache()
         return peak
-
-
-def available_host_bytes() -> int | None:
-    """Memory the machine can still give this process (Linux's MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
