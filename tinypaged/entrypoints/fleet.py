@@ -57,18 +57,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from tinypaged.entrypoints.fleet_replicas import (  # noqa: F401 - SERVE, Replica, free_port, metric, descendants:
-    SERVE,                                          # their old home (fleet.py), where callers import them from
-    Replica,
-    ReplicaGroup,
-    core_sets,
-    descendants,
-    free_port,
-    metric,
-    stop_processes,
-)
+from tinypaged.entrypoints.fleet_replicas import Replica, ReplicaGroup, core_sets, stop_processes
 from tinypaged.entrypoints.fleet_replicas import http_get as _get  # noqa: F401 - tests probe URLs with it
-from tinypaged.entrypoints.fleet_router import POLICIES, Router, router_binary  # noqa: F401 - router_binary: same
+from tinypaged.entrypoints.fleet_router import POLICIES, Router
 
 
 class Fleet:
