@@ -5,16 +5,16 @@ import functools
 import pytest
 import torch
 
-import tinypaged.engine.llm_engine as llm_engine
+import tinypaged.engine.core as engine_core
 
 # One model per (name, dtype, device, seed): weights are read-only at inference, so engines can share them.
-_cached_load_model = functools.lru_cache(maxsize=None)(llm_engine.load_model)
+_cached_load_model = functools.lru_cache(maxsize=None)(engine_core.load_model)
 
 
 @pytest.fixture(scope="module")
 def shared_weights():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(llm_engine, "load_model", _cached_load_model)
+        mp.setattr(engine_core, "load_model", _cached_load_model)
         yield
 
 

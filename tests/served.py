@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
+
+
+def start_server(flags: list[str], log: Path, **popen) -> tuple[subprocess.Popen, str]:
+    """``python -m tinypaged serve --model tiny FLAGS`` on a free 127.0.0.1 port (offline, one torch thread; the
+    engine core in its own process unless a flag says otherwise), its stderr in ``log``: (the process, its url)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    env.pop("TINYPAGED_ENABLE_MULTIPROCESSING", None)
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tinypaged", "serve", "--model", "tiny", *flags,
+                                 "--no-access-log", "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env, **popen)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def wait_for_health(proc: subprocess.Popen, url: str, log: Path, seconds: float = 300) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged import LLM, SamplingParams, cpu_native
-from tinypaged.attention.backends import DecodeBatch
+from tinypaged.attention.backends import DecodeBatch, paged_attention
 from tinypaged.attention.sdpa import SDPABackend
 from test_one_forward import run  # greedy tokens and every step's logits, prompts in chunks beside decodes
 
@@ -84,6 +84,7 @@ def test_silu_mul_equals_silu_times_up_over_a_wide_range(ops):
 
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)], ids=["gqa", "mha", "mqa"])
 def test_decode_attention_equals_the_sdpa_path_on_scattered_slots(ops, monkeypatch, heads, kv_heads):
+    """A table of one slot per key (block_size 1): what a KV manager with its own context slots gives."""
     g = torch.Generator().manual_seed(2)
     slots_total, d = 2048, 64
     key_cache, value_cache = (torch.randn(slots_total, kv_heads, d, generator=g) for _ in range(2))
@@ -91,10 +92,57 @@ def test_decode_attention_equals_the_sdpa_path_on_scattered_slots(ops, monkeypat
     context_slots = torch.randint(0, slots_total, (5, int(lens.max())), generator=g)
     query = torch.randn(5, heads + 6, d, generator=g)[:, :heads]  # a strided view, as the fused qkv's query heads
     batch = DecodeBatch(torch.arange(5), lens, 32, context_slots=context_slots)
-    got = ops.decode_attention(query, key_cache, value_cache, context_slots, lens, 0.125)
+    got = ops.decode_attention(query, key_cache, value_cache, context_slots, lens, 1, 0.125)
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)  # SDPABackend's torch route
     ref = SDPABackend().decode(query, key_cache, value_cache, batch, 0.125)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def paged_case(heads, kv_heads, d, lens, block_size, seed=5):
+    """Caches of 8000 slots, block tables (int32, as the runner's) of shuffled blocks, a strided query."""
+    g = torch.Generator().manual_seed(seed)
+    key_cache, value_cache = (torch.randn(8000, kv_heads, d, generator=g) for _ in range(2))
+    lens = torch.tensor(lens)
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.randperm(8000 // block_size, generator=g)[:len(lens) * width].view(len(lens), width).int()
+    query = torch.randn(len(lens), heads + 2 * kv_heads, d, generator=g)[:, :heads]
+    return query, key_cache, value_cache, tables, lens
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("heads,kv_heads,d,block_size", [(9, 3, 64, 16), (4, 4, 64, 16), (8, 1, 128, 16),
+                                                         (6, 2, 48, 5)], ids=["gqa", "mha", "mqa-128", "d48-bs5"])
+def test_decode_attention_reads_block_tables_as_the_paged_reference(ops, monkeypatch, threads, heads, kv_heads, d,
+                                                                     block_size):
+    """Block tables read in place: lengths of 1 key, of whole blocks and not, one long row cut between the threads
+    (the keys of the batch are shared out evenly, not its rows), against the readable paged reference and the sdpa
+    torch route (which makes the slots from the same tables)."""
+    query, key_cache, value_cache, tables, lens = paged_case(heads, kv_heads, d, [1, 16, 17, 999, 33, 2], block_size)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.decode_attention(query, key_cache, value_cache, tables, lens, block_size, 0.125)
+        assert torch.equal(ops.decode_attention(query, key_cache, value_cache, tables.long(), lens, block_size, 0.125),
+                           got)  # int64 tables read the same
+        alone = ops.decode_attention(query[3:4], key_cache, value_cache, tables[3:4], lens[3:4], block_size, 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    blocked = lambda cache: cache.view(-1, block_size, kv_heads, d)  # noqa: E731
+    ref = paged_attention(query, blocked(key_cache), blocked(value_cache), tables, lens, 0.125)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(alone, ref[3:4], rtol=1e-5, atol=1e-5)  # one row, every thread on it
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    batch = DecodeBatch(torch.arange(6), lens, block_size, block_tables=tables)
+    torch.testing.assert_close(SDPABackend().decode(query, key_cache, value_cache, batch, 0.125), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_one_key_gives_its_value(ops):
+    """A context of one key: softmax of one score is 1, whatever the score."""
+    query, key_cache, value_cache, tables, lens = paged_case(9, 3, 64, [1, 1, 1], 16)
+    got = ops.decode_attention(query * 1e3, key_cache, value_cache, tables, lens, 16, 0.125)
+    first = value_cache[tables[:, 0].long() * 16]  # [3 rows, KVH, D]
+    torch.testing.assert_close(got, first.repeat_interleave(3, dim=1), rtol=1e-6, atol=1e-6)
 
 
 def test_prefill_rows_see_their_chunk_causally_as_the_sdpa_prefill(ops, monkeypatch):
@@ -107,7 +155,7 @@ def test_prefill_rows_see_their_chunk_causally_as_the_sdpa_prefill(ops, monkeypa
     query = torch.randn(6, 9, 64, generator=g)
     table = torch.zeros(2, 20, dtype=torch.long)
     table[0], table[1, :12] = decode_slots, chunk_slots
-    got = ops.decode_attention(query, key_cache, value_cache, table, torch.tensor([20, 8, 9, 10, 11, 12]), 0.125,
+    got = ops.decode_attention(query, key_cache, value_cache, table, torch.tensor([20, 8, 9, 10, 11, 12]), 1, 0.125,
                                torch.tensor([0, 1, 1, 1, 1, 1]))
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)
     backend = SDPABackend()
@@ -116,8 +164,15 @@ def test_prefill_rows_see_their_chunk_causally_as_the_sdpa_prefill(ops, monkeypa
                                 DecodeBatch(torch.arange(1), torch.tensor([20]), 32, context_slots=table[:1]), 0.125)
     torch.testing.assert_close(got[1:], ref_chunk, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got[:1], ref_decode, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match=r"row_seq\[2\] = 2 is outside the 2 rows of context_slots"):
-        ops.decode_attention(query[:3], key_cache, value_cache, table, torch.tensor([20, 8, 9]), 0.125,
+    # the same rows through block tables (blocks of 4 slots): the chunk's sequence in blocks 5, 2, 9
+    blocks = torch.tensor([[5, 2, 9]], dtype=torch.int32)
+    slots = (blocks[0, :, None].long() * 4 + torch.arange(4)).reshape(-1)
+    paged = ops.decode_attention(query[1:], key_cache, value_cache, blocks, torch.tensor([8, 9, 10, 11, 12]), 4,
+                                 0.125, torch.zeros(5, dtype=torch.long))
+    torch.testing.assert_close(paged, backend.prefill(query[1:], key_cache[slots], value_cache[slots], 7, 0.125),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"row_seq\[2\] = 2 is outside the 2 rows of block_tables"):
+        ops.decode_attention(query[:3], key_cache, value_cache, table, torch.tensor([20, 8, 9]), 1, 0.125,
                              torch.tensor([0, 1, 2]))
 
 
@@ -125,11 +180,28 @@ def test_bad_input_is_refused_by_name(ops):
     key_cache = value_cache = torch.zeros(64, 3, 64)
     query = torch.zeros(2, 9, 64)
     lens = torch.tensor([3, 2])
-    with pytest.raises(RuntimeError, match=r"context_slots\[1, 1\] = 64 is outside the cache's 64 slots"):
-        ops.decode_attention(query, key_cache, value_cache, torch.tensor([[0, 1, 2], [5, 64, 0]]), lens, 1.0)
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 1\] = 64 is outside the cache's 64 slots \(block_size 1"):
+        ops.decode_attention(query, key_cache, value_cache, torch.tensor([[0, 1, 2], [5, 64, 0]]), lens, 1, 1.0)
     with pytest.raises(RuntimeError, match=r"context_lens\[0\] = 0 is outside 1..3"):
         ops.decode_attention(query, key_cache, value_cache, torch.zeros(2, 3, dtype=torch.long),
-                             torch.tensor([0, 2]), 1.0)
+                             torch.tensor([0, 2]), 1, 1.0)
+    # block tables: 4 blocks of 16 slots; a row's last block is checked for the keys it holds there
+    tables = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"context_lens\[1\] = 33 is outside 1..32 \(2 table entries, block_size 16"):
+        ops.decode_attention(query, key_cache, value_cache, tables, torch.tensor([20, 33]), 16, 1.0)
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 1\] = 4 is outside the cache's 64 slots \(block_size 16"):
+        ops.decode_attention(query, key_cache, value_cache, tables + torch.tensor([[0, 1], [0, 0]], dtype=torch.int32),
+                             torch.tensor([17, 20]), 16, 1.0)
+    ops.decode_attention(query, key_cache[:49], value_cache[:49], tables, torch.tensor([17, 20]), 16, 1.0)  # 48 + 1
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 1\] = 3 is outside the cache's 49 slots"):
+        ops.decode_attention(query, key_cache[:49], value_cache[:49], tables, torch.tensor([18, 20]), 16, 1.0)
+    with pytest.raises(RuntimeError, match=r"block_tables\[1, 0\] = -1 is outside"):
+        ops.decode_attention(query, key_cache, value_cache, torch.tensor([[0, 3], [-1, 1]]), torch.tensor([3, 2]),
+                             16, 1.0)
+    with pytest.raises(RuntimeError, match="block_tables must be a contiguous int32 or int64"):
+        ops.decode_attention(query, key_cache, value_cache, tables.float(), lens, 16, 1.0)
+    with pytest.raises(RuntimeError, match="block_size must be at least 1"):
+        ops.decode_attention(query, key_cache, value_cache, tables, lens, 0, 1.0)
     with pytest.raises(RuntimeError, match="float32"):
         ops.add_rms_norm(torch.zeros(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="residual must be shaped like x"):
@@ -142,17 +214,23 @@ def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch
     """Two ways through the same steps (prompts in chunks beside decodes): layer by layer on the C++ operators
     (the default on a float32 CPU), and torch's operators alone."""
     calls = {"decode_attention": 0, "add_rms_norm": 0, "rope_": 0, "silu_mul": 0}
+    tables = set()  # (dtype, block_size) of the tables decode attention read
 
     class Counting:  # the real operators, counted
         def __getattr__(self, name):
             fn = getattr(ops, name)
             if name not in calls:
                 return fn
+            if name == "decode_attention":
+                return lambda *a: tables.add((a[3].dtype, a[5])) or calls.__setitem__(name, calls[name] + 1) or fn(*a)
             return lambda *a: calls.__setitem__(name, calls[name] + 1) or fn(*a)
 
     monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
     tokens, logits, _ = run(False, dtype="float32", **kw)
     assert all(count > 0 for count in calls.values()), calls
+    # a paged cache's block tables as the runner made them; the contiguous manager's own slots, one a block
+    paged = kw.get("kv_cache_manager") != "contiguous"
+    assert tables == ({(torch.int32, 4)} if paged else {(torch.int64, 1)}), tables  # run(): block_size=4
     monkeypatch.setattr(cpu_native, "usable", lambda t: None)
     ref_tokens, ref_logits, _ = run(False, dtype="float32", **kw)
     assert tokens == ref_tokens

@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import tinypaged.engine.llm_engine as llm_engine
+import tinypaged.engine.core as llm_engine
 from tinypaged import LLM, BeamSearchParams, EngineConfig, SamplingParams
 from tinypaged.__main__ import main
 from tinypaged.config import BOOLS, NUMBERS, OPTIONAL

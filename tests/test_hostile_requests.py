@@ -12,10 +12,10 @@ import threading
 import pytest
 import torch
 
-import tinypaged.engine.llm_engine as llm_engine_module
+import tinypaged.engine.core as llm_engine_module
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.detokenizer import REPLACEMENT
-from tinypaged.engine.input_processor import sample_generator
+from tinypaged.sampling.sampler import sample_generator
 from tinypaged.sampling.sampler import check_stop
 from tinypaged.sequence import FinishReason, Sequence
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-import tinypaged.engine.llm_engine as llm_engine_module
+import tinypaged.engine.core as llm_engine_module
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.detokenizer import REPLACEMENT
 from tinypaged.entrypoints.engine_loop import EngineLoop

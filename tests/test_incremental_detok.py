@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import tinypaged.engine.llm_engine as llm_engine_module
+import tinypaged.engine.core as llm_engine_module
 from tinypaged import LLM, SamplingParams
 from tinypaged.engine.detokenizer import REPLACEMENT, Detokenizer, IncrementalDetokenizer, TextStream
 from tinypaged.engine.output_processor import settle

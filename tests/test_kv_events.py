@@ -1,4 +1,4 @@
-"""KV events in vLLM's format (``--kv-events-config``, tinypaged/entrypoints/kv_events.py): the flag's checks, the
+"""KV events in vLLM's format (``--kv-events-config``, tinypaged/engine/kv_events.py): the flag's checks, the
 events a shared-prefix batch and an eviction produce, the ZeroMQ framing and replay, and the payloads decoded by
 vLLM's own event classes in .venv-vllm."""
 
@@ -12,7 +12,8 @@ import zmq
 
 from tinypaged import SamplingParams
 from tinypaged.__main__ import Parser, main
-from tinypaged.entrypoints import cli_args, kv_events
+from tinypaged.engine import kv_events
+from tinypaged.entrypoints import cli_args
 from tinypaged.kv.block_pool import hash_chain
 from tinypaged.lab import vllm_side
 

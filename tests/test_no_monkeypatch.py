@@ -9,7 +9,7 @@ an assignment (``=``, or ``setattr(obj, name, value)``) whose target is an attri
    by a ``def`` (and never by ``=``) in the same module, ``functools.partial(...)`` or ``types.MethodType(...)``
    (``engine.step = step_and_publish``, ``manager.allocate = lambda ...``); or
 3. the object is ``self``/``cls`` and the attribute is a method the class defines (rebinding
-   one's own method).
+   one's own method; a property is data, written through its setter).
 
 Plain data attributes (``self.compiled = None``, ``obj.count = 3``) and storing a callback in
 one's own attribute (``self.on_done = fn``) are not patches. The exceptions are listed in
@@ -51,6 +51,13 @@ def _is_code(value: ast.AST, defs: set[str]) -> bool:
     return False
 
 
+def _is_property(decorator: ast.AST) -> bool:
+    """``@property``, ``@functools.cached_property``, ``@name.setter`` (and ``.getter``, ``.deleter``)."""
+    if isinstance(decorator, ast.Name):
+        return decorator.id in ("property", "cached_property")
+    return isinstance(decorator, ast.Attribute) and decorator.attr in ("cached_property", "setter", "getter", "deleter")
+
+
 def find_patches(source: str, path: str = "<src>") -> list[str]:
     """Return ``path:line: text`` for every patch in ``source`` (rule in the module docstring)."""
     tree = ast.parse(source)
@@ -64,7 +71,8 @@ def find_patches(source: str, path: str = "<src>") -> list[str]:
     class_of: dict[int, ast.ClassDef] = {}
     for cls in ast.walk(tree):
         if isinstance(cls, ast.ClassDef):
-            own = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            funcs = [n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            own = {n.name for n in funcs} - {n.name for n in funcs if any(_is_property(d) for d in n.decorator_list)}
             methods_of[id(cls)] = own
             for sub in ast.walk(cls):
                 class_of.setdefault(id(sub), cls)  # outermost class wins; good enough here
@@ -126,33 +134,21 @@ class A:
         self.compiled = None
         self.on_done = fn
         self.count = 3
+        self.ids = {1}
+
+    @property
+    def ids(self):
+        return self._ids
+
+    @ids.setter
+    def ids(self, value):
+        self._ids = set(value)
 '''
     assert find_patches(good) == []
 
 
-# Patches still in the package when this test was written (2026-12-04): each is to be replaced by a hook its owner
-# provides (issue #47 item 4: call counters and step profiles the engine owns). The test fails on any patch
-# not listed here, and on a listed one that is gone (shrink the list).
-KNOWN: dict[tuple[str, str], str] = {
-    ("course/checks/serving.py", "setattr(obj, name, call)"): "call counting in the serving checks",
-    ("course/checks/stage08.py", "llm.llm_engine.step = step_maybe_slowly"): "stage 8's slow-step check",
-    ("course/checks/stage08.py", "llm.llm_engine.abort_request = counted_abort"): "stage 8's abort counting",
-    ("lab/radix_view.py", "setattr(tree, name, counted)"): "the radix view's call counts",
-    ("lab/serving.py", "llm_engine.load_model = _cached_loaders[original]"): "the lab's model cache",
-    ("lab/serving.py", "llm_engine.load_model = original"): "the lab's model cache",
-    ("lab/step_profile.py", 'F.linear = self.timed("linear", F.linear)'): "the step profiler's timers",
-    ("lab/step_profile.py", 'llm_engine.sample = self.timed("sample", llm_engine.sample)'): "the step profiler's timers",
-    ("lab/step_profile.py", "F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, "
-                            "llm_engine.sample = saved"): "the step profiler's timers",
-}
-
-
-def test_package_has_no_new_monkeypatch():
+def test_package_has_no_monkeypatch():
     found: list[str] = []
     for f in sorted(PACKAGE.rglob("*.py")):
         found += find_patches(f.read_text(), str(f.relative_to(PACKAGE)))
-    keys = {(line.split(":", 2)[0], line.split(":", 2)[2].strip()) for line in found}
-    new = [line for line in found if (line.split(":", 2)[0], line.split(":", 2)[2].strip()) not in KNOWN]
-    assert not new, "monkey-patching (see tests/test_no_monkeypatch.py for the rule):\n" + "\n".join(new)
-    gone = [f"{path}: {text}" for path, text in KNOWN if (path, text) not in keys]
-    assert not gone, "no longer in the package: remove from KNOWN:\n" + "\n".join(gone)
+    assert not found, "monkey-patching (see tests/test_no_monkeypatch.py for the rule):\n" + "\n".join(found)

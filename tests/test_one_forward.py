@@ -26,7 +26,7 @@ def run(reference: bool, dtype="float64", monkeypatch=None, **kw):
     (prefills starting past position 0) beside decodes of the others. ``reference``: the checkpoint's
     unfused projections and the "torch" attention backend (the lessons' reference), else the defaults."""
     if reference:
-        monkeypatch.setattr("tinypaged.engine.llm_engine.fuse_projections", lambda model: None)
+        monkeypatch.setattr("tinypaged.engine.core.fuse_projections", lambda model: None)
         kw.setdefault("attention_backend", "torch")
     llm = LLM("tiny", dtype=dtype, device="cpu", max_num_seqs=4, max_num_batched_tokens=16,
               block_size=4, kv_cache_tokens=1024, max_model_len=64, **kw)
@@ -295,7 +295,7 @@ def test_the_forward_reads_the_models_parts_at_every_step(monkeypatch):
     the engine was built (``load_state_dict`` on norms and o_proj/down_proj) reaches the next step, with the
     unfused reference's numbers (float64)."""
     fast = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256)
-    monkeypatch.setattr("tinypaged.engine.llm_engine.fuse_projections", lambda model: None)
+    monkeypatch.setattr("tinypaged.engine.core.fuse_projections", lambda model: None)
     ref = LLM("tiny", device="cpu", dtype="float64", kv_cache_tokens=256, attention_backend="torch")
     monkeypatch.undo()
     prompt, greedy = [{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=6)

@@ -73,7 +73,7 @@ def test_paged_matches_contiguous_and_transformers(block_size, prompts, hf_token
 
 
 def test_smollm2_paged_matches_contiguous(monkeypatch):
-    from tinypaged.engine import llm_engine
+    from tinypaged.engine import core as llm_engine
     from tinypaged.model.loader import smollm2_folder
 
     try:

@@ -6,15 +6,12 @@ Priority changes the order of work, never a request's tokens. Offline (``LLM.gen
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import sys
 from types import SimpleNamespace
 
 import httpx
 import pytest
-from served import wait_for_health
+from served import start_server, wait_for_health
 
 from tinypaged import LLM, EngineConfig, SamplingParams
 from tinypaged.entrypoints.server import ServerThread, create_app
@@ -230,17 +227,9 @@ def test_server_refuses_bad_priority_by_name(servers, server, value, message):
 def test_engine_core_process_carries_priority(tmp_path):
     """``serve --scheduling-policy priority`` (the engine core in its own process): the field reaches the core;
     one beyond 64 bits is a 400 naming it before the core sees it."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url, log = f"http://127.0.0.1:{port}", tmp_path / "serve.log"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    env.pop("TINYPAGED_ENABLE_MULTIPROCESSING", None)
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "tinypaged", "serve", "--model", "tiny", "--device", "cpu",
-                                 "--max-model-len", "256", "--num-gpu-blocks-override", "128", "--max-num-seqs", "4",
-                                 "--scheduling-policy", "priority", "--no-access-log", "--port", str(port)],
-                                stdout=subprocess.DEVNULL, stderr=err, env=env)
+    log = tmp_path / "serve.log"
+    proc, url = start_server(["--device", "cpu", "--max-model-len", "256", "--num-gpu-blocks-override", "128",
+                              "--max-num-seqs", "4", "--scheduling-policy", "priority"], log)
     try:
         wait_for_health(proc, url, log)
         ok = [_completion(url, p) for p in (0, 4, -4)]

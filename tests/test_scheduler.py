@@ -424,14 +424,20 @@ def test_swap_with_siblings_that_outgrow_the_cache_completes_like_recompute(para
         assert not llm.llm_engine.has_unfinished_requests() and llm.llm_engine.kv.usage == 0
     assert outs["swap"] == outs["recompute"] and all(len(t) == 6 for t in outs["swap"])
     swapped = [v for st in steps["swap"] for v in st.preempted]
-    assert len(swapped) == 2 and {v.index for v in swapped} == {0, 1}, "both siblings were swapped together"
+    if parallel_sampling == "fork":  # one request (v0's sequence group): its samples leave together
+        assert len(swapped) == 2 and {v.index for v in swapped} == {0, 1}, "both siblings were swapped together"
+    else:  # fanout: each sample is a child request of its own (vLLM v1), preempted alone
+        assert swapped and all(len({v.request_id for v in st.preempted}) == len(st.preempted)
+                               for st in steps["swap"]), "a fanned-out sample left with another request"
+        assert {v.request_id for v in swapped} <= {"0_0", "1_0"}
 
 
 @pytest.mark.parametrize("parallel_sampling", ["fork", "fanout"])
 def test_swapped_siblings_leave_together_and_match_recompute(parallel_sampling):
     """n = 3 samples under memory pressure: a preempted request's running samples go to CPU memory
     as one group (this used to raise "scheduled but not running" when a sibling had already been
-    scheduled in that step); forks come back as one group; greedy tokens are recompute mode's."""
+    scheduled in that step); forks come back as one group; fanned-out samples are requests of their own and
+    go alone; greedy tokens are recompute mode's."""
     params = [SamplingParams(temperature=0, n=3, max_tokens=m, ignore_eos=True) for m in [12, 4, 9, 6, 15, 7]]
     got, resumed, sizes = {}, False, []
     for mode in ("recompute", "swap"):
@@ -457,8 +463,10 @@ def test_swapped_siblings_leave_together_and_match_recompute(parallel_sampling):
         got[mode] = sorted((o.request_id, [c.token_ids for c in o.outputs]) for o in outs)
         assert engine.kv.usage == 0
     assert got["swap"] == got["recompute"]
-    assert max(sizes) > 1, "a request's running samples were swapped out together"
-    assert resumed or parallel_sampling == "fanout"
+    if parallel_sampling == "fork":  # one request: its running samples leave and come back as one group
+        assert max(sizes) > 1 and resumed, "a request's running samples were swapped out together"
+    else:  # fanout: every sample is a child request of its own (vLLM v1), swapped alone
+        assert sizes and max(sizes) == 1
 
 
 # -- the engine runs schedule_step on its own requests ------------------------------------------------

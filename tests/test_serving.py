@@ -4,6 +4,7 @@ sustainable rates, and the vLLM path of the serving benchmark."""
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -185,16 +186,16 @@ def test_serving_run_summary_weights_steps_equally():
     assert ServingRun("static", None, reqs, steps, max_num_seqs=8).summary()["batched"] == 2
 
 
-def test_a_request_arriving_while_the_scheduler_runs_is_not_a_deadlock():
-    """Real-time replay: the head request's arrival time falls between the policy's look at the clock
-    and the scheduler's no-progress check. Nothing could have been scheduled, so that is no error."""
+def test_a_request_not_yet_arrived_waits_and_is_not_a_deadlock():
+    """Real-time replay: the head request arrives after the step's time. The scheduler reads one time per step
+    (``schedule(now)``: data, not a clock it calls), so the policy and the no-progress check agree that nothing
+    could have been scheduled: no error; the request runs in the first step after it arrives."""
     with quiet(), shared_weights():
         engine = LLM("tiny", device="cpu", kv_cache_tokens=256, max_model_len=64).llm_engine
-    ticks = iter([0.0, 0.0, 0.0] + [1.0] * 100)  # the policy sees t=0; every later read sees t=1
-    engine.scheduler.clock = lambda: next(ticks)
     engine.add_request("late", {"prompt_token_ids": [5, 6, 7]},
-                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), arrival_time=0.5)
-    assert engine.step().scheduled == []  # not yet arrived when the policy looked
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), arrival_time=engine.clock() + 0.3)
+    assert engine.step().scheduled == []  # not yet arrived at the step's time
+    time.sleep(0.35)
     assert [s.seq.request_id for s in engine.step().scheduled] == ["late"]
 
 

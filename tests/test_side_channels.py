@@ -152,8 +152,8 @@ def generate(llm, prompts, params, drop=()):
     eng, outs = llm.llm_engine, []
     schedule, move = eng.scheduler.schedule, eng.runner.move_blocks
 
-    def recording():
-        outs.append(schedule())
+    def recording(now):
+        outs.append(schedule(now))
         return outs[-1]
 
     def moving(swap_out, swap_in, copies):

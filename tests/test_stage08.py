@@ -42,6 +42,12 @@ def test_a_stream_that_never_aborts_fails_on_the_hang_up_and_the_error():
     assert status == checks.FAIL, msg
 
 
+def test_serving_a_stream_that_never_aborts_fails_on_the_hang_up():
+    """The server's engine counts no aborted request: the hung-up request ran (slowly) to its end."""
+    status, msg = checks.evaluate("serve_sse", never_aborts, detect=False)
+    assert status == checks.FAIL and "the engine aborted its request (once): expected true, got false" in msg, msg
+
+
 def test_a_stream_without_done_fails_naming_the_lines():
     status, msg = checks.evaluate("sse_stream", learners_copy(DONE="data: [done]\n\n"), detect=False)
     assert status == checks.FAIL and "the stream's lines" in msg and "case 'a completion, with usage'" in msg, msg

@@ -8,9 +8,9 @@ the same four operators (``torch.ops.tinypaged_cpu``):
 * ``add_rms_norm(x, residual, weight, eps)``: ``x += residual`` in place, then RMSNorm (vLLM's ``fused_add_rms_norm``);
 * ``rope_(qkv, cos, signed_sin, heads)``: RoPE in place on the first ``heads`` heads;
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` (vLLM's ``silu_and_mul``);
-* ``decode_attention(query, key_cache, value_cache, context_slots, context_lens, scale)``: decode attention
-  reading the cache in place through each sequence's slots (vLLM's CPU paged attention does the same through block
-  tables), the keys of one KV head read once for all the query heads that share them.
+* ``decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale)``: decode
+  attention reading the cache in place through each sequence's block table (block_size 1: a table of slots, from a
+  KV manager with its own), each key's row of all KV heads read once for every query head, the softmax online.
 
 The model's forward calls them behind its own small functions (``add_rms_norm``, ``rotate_``, ``silu_mul`` in
 ``tinypaged/model/llama.py``) and the "sdpa" backend's decode; other dtypes, GPUs and a learner's attention backend

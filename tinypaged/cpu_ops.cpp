@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -152,55 +153,147 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// Attention over a cache read in place, one query row at a time. query [B, H, D] (any row and head strides);
-// key_cache and value_cache [slots, KVH, D] contiguous; context_slots [S, L] int64: the slot of key j of sequence
-// s; row b reads sequence row_seq[b] (b itself when row_seq is not given: decodes) and sees its first
-// context_lens[b] keys (a prefill chunk's rows: one more key each, the causal mask). Query head h reads KV head
-// h / (H / KVH). One task per (row, KV head): its keys are read once for all the query heads that share them.
-// Returns [B, H, D].
-at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                            const at::Tensor& context_slots, const at::Tensor& context_lens, double scale,
-                            const c10::optional<at::Tensor>& row_seq) {
-  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 &&
-                  query.stride(2) == 1,
-              "query must be a float32 CPU tensor [B, H, D] with a contiguous last dimension");
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
-                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kFloat &&
-                  value_cache.scalar_type() == at::kFloat,
-              "key_cache and value_cache must be contiguous float32 [slots, KVH, D] tensors of one shape");
-  TORCH_CHECK(context_slots.is_contiguous() && context_slots.scalar_type() == at::kLong && context_slots.dim() == 2,
-              "context_slots must be a contiguous int64 [B, L] tensor");
-  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong && context_lens.dim() == 1,
-              "context_lens must be a contiguous int64 [B] tensor");
-  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
-  const int64_t slots = key_cache.size(0), KVH = key_cache.size(1), L = context_slots.size(1);
-  TORCH_CHECK(key_cache.size(2) == D && KVH > 0 && H % KVH == 0, "query heads must be a multiple of the KV heads");
-  TORCH_CHECK(context_lens.size(0) == B, "one context length per query row");
-  const int64_t S = context_slots.size(0);
-  std::vector<int64_t> seq_of(B);
-  if (row_seq.has_value()) {
-    TORCH_CHECK(row_seq->is_contiguous() && row_seq->scalar_type() == at::kLong && row_seq->numel() == B,
-                "row_seq must be a contiguous int64 tensor of one sequence per query row");
-    const int64_t* rs = row_seq->data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(rs[b] >= 0 && rs[b] < S, "row_seq[", b, "] = ", rs[b], " is outside the ", S, " rows of context_slots");
-      seq_of[b] = rs[b];
-    }
-  } else {
-    TORCH_CHECK(S == B, "one row of context_slots per query (or a row_seq saying which)");
-    for (int64_t b = 0; b < B; ++b) seq_of[b] = b;
+// Decode attention over a paged cache, read in place. query [B, H, D] (any row and head strides); key_cache and
+// value_cache [slots, KVH, D] contiguous; block_tables [S, W] int32 or int64: key j of sequence s is in slot
+// block_tables[s, j / block_size] * block_size + j % block_size (block_size 1: a table of one slot per key, any KV
+// manager's context_slots). Row b reads sequence row_seq[b] (b itself when row_seq is not given: decodes) and sees
+// its first context_lens[b] keys (a prefill chunk's rows: one more key each, the causal mask). Query head h reads
+// KV head h / (H / KVH). Returns [B, H, D].
+//
+// How: one pass over the keys, kChunk at a time, with the softmax kept online (running maximum m, sum l and
+// unnormalised output acc per head, rescaled when the maximum grows): each key's row of all KV heads (KVH * D
+// contiguous floats) is read once, for every query head. The threads split the keys of the whole batch evenly (not
+// its rows: contexts differ in length); a row cut between two threads is finished from both parts after.
+constexpr int64_t kChunk = 16;  // keys scored before their values are added (one cache block at block_size 16)
+
+// A row's (or a part of a row's) running softmax state: m[H], l[H], acc[H * D].
+struct Softmax {
+  std::vector<float> m, l, acc;
+  void reset(int64_t H, int64_t D) {
+    m.assign(H, -INFINITY);
+    l.assign(H, 0.0f);
+    acc.assign(H * D, 0.0f);
   }
-  const int64_t G = H / KVH;
-  TORCH_CHECK(G <= 64 && G * D <= 4096, "at most 64 query heads per KV head, and heads per KV head times head_dim "
-              "at most 4096");
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* slot = context_slots.data_ptr<int64_t>();
+};
+
+// q . k over D values. Where D is a known multiple of 16: 16 running sums, added pairwise at the end (vector adds
+// of halves; a reduction clause leaves GCC adding the lanes one by one, in order).
+template <int64_t kD>
+inline float dot(const float* q, const float* k, int64_t D) {
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    float part[16] = {};
+    for (int64_t d = 0; d < kD; d += 16) {
+#pragma omp simd
+      for (int64_t l = 0; l < 16; ++l) part[l] += q[d + l] * k[d + l];
+    }
+    for (int64_t l = 0; l < 8; ++l) part[l] += part[l + 8];
+    for (int64_t l = 0; l < 4; ++l) part[l] += part[l + 4];
+    return (part[0] + part[2]) + (part[1] + part[3]);
+  } else {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * k[d];
+    return sum;
+  }
+}
+
+// Keys [j0, j1) of one row into `st`. qs: the row's query heads, scaled, [H, D] contiguous; slot_of(j): key j's slot;
+// scores: room for [H, kChunk].
+template <int64_t kD, typename SlotOf>
+void attend_keys(const float* qs, const float* kc, const float* vc, int64_t H, int64_t KVH, int64_t D, int64_t j0,
+                 int64_t j1, SlotOf slot_of, float* scores, Softmax& st) {
+  const int64_t G = H / KVH, row = KVH * D;
+  if (kD > 0) D = kD;
+  int64_t slot[2][kChunk];  // this chunk's slots and the next one's (being fetched)
+  auto fetch = [&](int64_t c0, int64_t* into) {  // the next chunk's slots, its rows asked of memory ahead of use
+    const int64_t n = std::min(kChunk, j1 - c0);
+    for (int64_t c = 0; c < n; ++c) {
+      into[c] = slot_of(c0 + c);
+      const char* k = reinterpret_cast<const char*>(kc + into[c] * row);
+      const char* v = reinterpret_cast<const char*>(vc + into[c] * row);
+      for (int64_t off = 0; off < row * int64_t(sizeof(float)); off += 64) {
+        __builtin_prefetch(k + off, 0, 3);
+        __builtin_prefetch(v + off, 0, 3);
+      }
+    }
+  };
+  const float* krow[kChunk];
+  const float* vrow[kChunk];
+  fetch(j0, slot[0]);
+  for (int64_t c0 = j0, i = 0; c0 < j1; c0 += kChunk, i ^= 1) {
+    const int64_t n = std::min(kChunk, j1 - c0);
+    if (c0 + kChunk < j1) fetch(c0 + kChunk, slot[i ^ 1]);
+    for (int64_t c = 0; c < n; ++c) {
+      krow[c] = kc + slot[i][c] * row;
+      vrow[c] = vc + slot[i][c] * row;
+    }
+    // scores[h, c] = qs[h] . k[c] (the G query heads of a KV head read its key once)
+    for (int64_t c = 0; c < n; ++c) {
+      for (int64_t g = 0; g < KVH; ++g) {
+        const float* k = krow[c] + g * D;
+        for (int64_t gi = 0; gi < G; ++gi) {
+          const int64_t h = g * G + gi;
+          scores[h * kChunk + c] = dot<kD>(qs + h * D, k, D);
+        }
+      }
+    }
+    // the running maxima, sums and outputs: rescaled where a maximum grew, then the chunk's weights
+    for (int64_t h = 0; h < H; ++h) {
+      float* sh = scores + h * kChunk;
+      float cm = sh[0];
+      for (int64_t c = 1; c < n; ++c) cm = std::max(cm, sh[c]);
+      if (cm > st.m[h]) {
+        if (st.l[h] > 0.0f) {  // not the first chunk
+          const float alpha = fast_exp(st.m[h] - cm);
+          st.l[h] *= alpha;
+          float* a = st.acc.data() + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        }
+        st.m[h] = cm;
+      }
+      const float m = st.m[h];
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t c = 0; c < n; ++c) {
+        const float e = fast_exp(sh[c] - m);
+        sh[c] = e;
+        sum += e;
+      }
+      st.l[h] += sum;
+    }
+    // acc[h] += p[h, c] * v[c]
+    for (int64_t g = 0; g < KVH; ++g) {
+      for (int64_t gi = 0; gi < G; ++gi) {
+        const int64_t h = g * G + gi;
+        const float* p = scores + h * kChunk;
+        float* a = st.acc.data() + h * D;
+        for (int64_t c = 0; c < n; ++c) {
+          const float* v = vrow[c] + g * D;
+          const float pc = p[c];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) a[d] += pc * v[d];
+        }
+      }
+    }
+  }
+}
+
+template <typename Index>
+at::Tensor decode_attention_impl(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const at::Tensor& block_tables, const int64_t* lens, int64_t block_size,
+                                 double scale, const std::vector<int64_t>& seq_of) {
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t slots = key_cache.size(0), KVH = key_cache.size(1), W = block_tables.size(1);
+  const Index* table = block_tables.data_ptr<Index>();
+  // every table entry a row reads, once (not every key): a block of the cache, or its first keys in a row's last
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 1 && lens[b] <= L, "context_lens[", b, "] = ", lens[b], " is outside 1..", L);
-    for (int64_t j = 0; j < lens[b]; ++j) {
-      const int64_t s = slot[seq_of[b] * L + j];
-      TORCH_CHECK(s >= 0 && s < slots, "context_slots[", seq_of[b], ", ", j, "] = ", s, " is outside the cache's ",
-                  slots, " slots");
+    const Index* tb = table + seq_of[b] * W;
+    for (int64_t i = 0; i * block_size < lens[b]; ++i) {
+      const int64_t used = std::min(block_size, lens[b] - i * block_size);
+      const int64_t e = tb[i];
+      TORCH_CHECK(e >= 0 && slots >= used && e <= (slots - used) / block_size, "block_tables[", seq_of[b], ", ", i,
+                  "] = ", e, " is outside the cache's ", slots, " slots (block_size ", block_size, ")");
     }
   }
   at::Tensor out = at::empty({B, H, D}, query.options());
@@ -210,66 +303,133 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache
   float* o = out.data_ptr<float>();
   const int64_t q0 = query.stride(0), q1 = query.stride(1);
   const float fscale = static_cast<float>(scale);
-  int64_t work = 0;  // keys read in all, times the heads that read them
-  for (int64_t b = 0; b < B; ++b) work += lens[b] * H * D;
-  const int64_t grain = work >= 2 * kGrainElements ? 1 : B * KVH;
-  at::parallel_for(0, B * KVH, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    float acc[4096];  // G * D floats (checked above)
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, g = task % KVH, n = lens[b];
-      scores.resize(static_cast<size_t>(G * n));
-      const int64_t* sb = slot + seq_of[b] * L;
-      // scores[gi, j] = q[gi] . k[j] * scale, and each head's maximum
-      float maxima[64];
-      for (int64_t gi = 0; gi < G; ++gi) maxima[gi] = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* k = kc + (sb[j] * KVH + g) * D;
-        for (int64_t gi = 0; gi < G; ++gi) {
-          const float* qh = q + b * q0 + (g * G + gi) * q1;
-          float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-          dot *= fscale;
-          scores[gi * n + j] = dot;
-          maxima[gi] = std::max(maxima[gi], dot);
-        }
-      }
-      // softmax weights, unnormalised, and their sums
-      float sums[64];
-      for (int64_t gi = 0; gi < G; ++gi) {
-        float* sg = scores.data() + gi * n;
-        const float m = maxima[gi];
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < n; ++j) {
-          const float e = fast_exp(sg[j] - m);
-          sg[j] = e;
-          sum += e;
-        }
-        sums[gi] = sum;
-      }
-      // out[gi] = sum_j p[gi, j] v[j] / sum[gi]
-      std::fill(acc, acc + G * D, 0.0f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* v = vc + (sb[j] * KVH + g) * D;
-        for (int64_t gi = 0; gi < G; ++gi) {
-          const float p = scores[gi * n + j];
-          float* a = acc + gi * D;
+  // keys of the whole batch end to end: row b's are [first[b], first[b + 1])
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + lens[b];
+  const int64_t total = first[B];
+  // one thread unless the work is worth waking the others; each thread takes an equal share of the keys
+  const int64_t parts = total * H * D >= 2 * kGrainElements ? std::max<int64_t>(1, at::get_num_threads()) : 1;
+  // rows a thread only began or only finished: its first and last row's state, merged below
+  std::vector<int64_t> cut_row(2 * parts, -1);
+  std::vector<Softmax> cut(2 * parts);
+  auto run = [&](auto kd) {
+    constexpr int64_t kD = decltype(kd)::value;
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> qs(H * D), scores(H * kChunk);
+      Softmax st;
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t begin = total * p / parts, end = total * (p + 1) / parts;
+        if (begin == end) continue;
+        const int64_t b_first = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+        for (int64_t b = b_first; b < B && first[b] < end; ++b) {
+          const int64_t j0 = std::max<int64_t>(0, begin - first[b]), j1 = std::min(lens[b], end - first[b]);
+          for (int64_t h = 0; h < H; ++h) {
+            const float* qh = q + b * q0 + h * q1;
+            float* qd = qs.data() + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
+            for (int64_t d = 0; d < D; ++d) qd[d] = qh[d] * fscale;
+          }
+          const bool whole = j0 == 0 && j1 == lens[b];
+          Softmax& s = whole ? st : cut[2 * p + (j0 > 0 ? 1 : 0)];
+          s.reset(H, D);
+          const Index* tb = table + seq_of[b] * W;
+          if (block_size == 1) {
+            attend_keys<kD>(qs.data(), kc, vc, H, KVH, D, j0, j1, [tb](int64_t j) { return int64_t(tb[j]); },
+                            scores.data(), s);
+          } else {
+            attend_keys<kD>(qs.data(), kc, vc, H, KVH, D, j0, j1, [tb, block_size](int64_t j) {
+              return int64_t(tb[j / block_size]) * block_size + j % block_size;
+            }, scores.data(), s);
+          }
+          if (!whole) {
+            cut_row[2 * p + (j0 > 0 ? 1 : 0)] = b;
+            continue;
+          }
+          for (int64_t h = 0; h < H; ++h) {
+            const float inv = 1.0f / s.l[h];
+            const float* a = s.acc.data() + h * D;
+            float* oh = o + (b * H + h) * D;
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) oh[d] = a[d] * inv;
+          }
         }
       }
-      for (int64_t gi = 0; gi < G; ++gi) {
-        const float inv = 1.0f / sums[gi];
-        float* oh = o + (b * H + g * G + gi) * D;
-        const float* a = acc + gi * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oh[d] = a[d] * inv;
+    });
+  };
+  if (D == 64) {
+    run(std::integral_constant<int64_t, 64>());
+  } else if (D == 128) {
+    run(std::integral_constant<int64_t, 128>());
+  } else {
+    run(std::integral_constant<int64_t, 0>());
+  }
+  // the rows cut between threads: out = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M), M the parts' maximum
+  for (int64_t i = 0; i < 2 * parts; ++i) {
+    const int64_t b = cut_row[i];
+    if (b == -1 || std::find(cut_row.begin(), cut_row.begin() + i, b) != cut_row.begin() + i) continue;  // merged
+    for (int64_t h = 0; h < H; ++h) {
+      float M = -INFINITY, L = 0.0f;
+      for (int64_t t = i; t < 2 * parts; ++t)
+        if (cut_row[t] == b) M = std::max(M, cut[t].m[h]);
+      float* oh = o + (b * H + h) * D;
+      std::fill(oh, oh + D, 0.0f);
+      for (int64_t t = i; t < 2 * parts; ++t) {
+        if (cut_row[t] != b) continue;
+        const float w = fast_exp(cut[t].m[h] - M);
+        L += cut[t].l[h] * w;
+        const float* a = cut[t].acc.data() + h * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] += a[d] * w;
       }
+      for (int64_t d = 0; d < D; ++d) oh[d] /= L;
     }
-  });
+  }
   return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& context_lens, int64_t block_size,
+                            double scale, const c10::optional<at::Tensor>& row_seq) {
+  TORCH_CHECK(query.device().is_cpu() && query.scalar_type() == at::kFloat && query.dim() == 3 &&
+                  query.stride(2) == 1,
+              "query must be a float32 CPU tensor [B, H, D] with a contiguous last dimension");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat,
+              "key_cache and value_cache must be contiguous float32 [slots, KVH, D] tensors of one shape");
+  TORCH_CHECK(block_tables.is_contiguous() && block_tables.dim() == 2 &&
+                  (block_tables.scalar_type() == at::kLong || block_tables.scalar_type() == at::kInt),
+              "block_tables must be a contiguous int32 or int64 [S, W] tensor");
+  TORCH_CHECK(context_lens.is_contiguous() && context_lens.scalar_type() == at::kLong && context_lens.dim() == 1,
+              "context_lens must be a contiguous int64 [B] tensor");
+  TORCH_CHECK(block_size >= 1, "block_size must be at least 1");
+  const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  const int64_t KVH = key_cache.size(1), S = block_tables.size(0), W = block_tables.size(1);
+  TORCH_CHECK(key_cache.size(2) == D && KVH > 0 && H % KVH == 0, "query heads must be a multiple of the KV heads");
+  TORCH_CHECK(context_lens.size(0) == B, "one context length per query row");
+  std::vector<int64_t> seq_of(B);
+  if (row_seq.has_value()) {
+    TORCH_CHECK(row_seq->is_contiguous() && row_seq->scalar_type() == at::kLong && row_seq->numel() == B,
+                "row_seq must be a contiguous int64 tensor of one sequence per query row");
+    const int64_t* rs = row_seq->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(rs[b] >= 0 && rs[b] < S, "row_seq[", b, "] = ", rs[b], " is outside the ", S,
+                  " rows of block_tables");
+      seq_of[b] = rs[b];
+    }
+  } else {
+    TORCH_CHECK(S == B, "one row of block_tables per query (or a row_seq saying which)");
+    for (int64_t b = 0; b < B; ++b) seq_of[b] = b;
+  }
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= W * block_size, "context_lens[", b, "] = ", lens[b], " is outside 1..",
+                W * block_size, " (", W, " table entries, block_size ", block_size, ")");
+  }
+  if (block_tables.scalar_type() == at::kInt) {
+    return decode_attention_impl<int32_t>(query, key_cache, value_cache, block_tables, lens, block_size, scale,
+                                          seq_of);
+  }
+  return decode_attention_impl<int64_t>(query, key_cache, value_cache, block_tables, lens, block_size, scale, seq_of);
 }
 
 }  // namespace
@@ -278,7 +438,7 @@ TORCH_LIBRARY(tinypaged_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin, int heads) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
-  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor context_slots, "
-        "Tensor context_lens, float scale, Tensor? row_seq=None) -> Tensor",
+  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor context_lens, int block_size, float scale, Tensor? row_seq=None) -> Tensor",
         &decode_attention);
 }

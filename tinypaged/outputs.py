@@ -86,6 +86,8 @@ class StepResult:
     preempted: list
     finished: list[RequestOutput]
     sampled: list = field(default_factory=list)  # sequences that got a token, as new_tokens
+    timings: dict = field(default_factory=dict)  # seconds per phase: schedule, execute, sample, update (the core's)
+    stats: dict = field(default_factory=dict)  # the queues and the cache after the step (EngineCore.scheduler_stats)
 
     def trace(self) -> str:
         """One line per step, stable across machines (ids and counts only)."""

@@ -4,7 +4,8 @@
 kernel, no [B, H, C] score tensor kept around). ``attention_backend="sdpa"``, the default (but
 where decode replays CUDA graphs); tests/test_one_forward.py checks it equals the reference ``TorchBackend``. On a float32 CPU
 where tinypaged's C++ operators are built (``tinypaged.cpu_native``), decode reads the cache in place through the
-same slots instead of gathering copies for torch's kernel (tests/test_cpu_native.py checks the two agree).
+block tables (or the slots) instead of gathering copies for torch's kernel (tests/test_cpu_native.py checks the two
+agree).
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from tinypaged import cpu_native
-from tinypaged.attention.backends import TorchBackend
+from tinypaged.attention.backends import TorchBackend, paged_context_slots
 
 
 class SDPABackend(TorchBackend):
     """``attention_backend="sdpa"``: ``TorchBackend``'s slots and masks, torch's fused
     attention kernel. Keys a query may not see (past its context, or after it in a prefill) are masked."""
+
+    # the runner gives decode the block tables of a paged cache rather than every key's slot (cheaper to build);
+    # context slots where the KV manager has its own
+    takes_block_tables = True
 
     def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         # the runner's slot mappings hold no padding (check_slots refuses a negative slot): no mask to
@@ -29,17 +34,23 @@ class SDPABackend(TorchBackend):
     def decode(self, query, key_cache, value_cache, batch, scale: float) -> torch.Tensor:
         native = cpu_native.usable(query)
         if native is not None and key_cache.dtype == torch.float32:
-            # tinypaged's C++ decode attention reads the cache in place through the same slots (vLLM's CPU
-            # backend reads its paged cache from C++ too): no gathered copies, no mask
+            # tinypaged's C++ decode attention reads the cache in place through the block tables (a paged cache;
+            # a table of slots, block size 1, from any other KV manager): no gathered copies, no mask (vLLM's CPU
+            # backend reads its paged cache from C++ too)
             if "native" not in batch.per_step:
-                batch.per_step["native"] = batch.context_slots.contiguous(), batch.context_lens.to(torch.long).contiguous()
-            slots, lens = batch.per_step["native"]
-            return native.decode_attention(query, key_cache, value_cache, slots, lens, scale)
+                table, size = ((batch.block_tables, batch.block_size) if batch.block_tables is not None
+                               else (batch.context_slots, 1))
+                batch.per_step["native"] = table.contiguous(), batch.context_lens.to(torch.long).contiguous(), size
+            table, lens, size = batch.per_step["native"]
+            return native.decode_attention(query, key_cache, value_cache, table, lens, size, scale)
         b, h, d = query.shape
         kvh = key_cache.shape[1]
         if "sdpa" not in batch.per_step:  # the same for every layer of the step: made once
-            slots = batch.context_slots.clamp(max=key_cache.shape[0] - 1).reshape(-1)  # padding past a short context
-            visible = torch.arange(batch.context_slots.shape[1], device=query.device) < batch.context_lens[:, None]
+            context = batch.context_slots
+            if context is None:  # a paged cache's block tables only (takes_block_tables): the slot of every key
+                context = paged_context_slots(batch.block_tables, int(batch.context_lens.max()), batch.block_size)
+            slots = context.clamp(max=key_cache.shape[0] - 1).reshape(-1)  # padding past a short context
+            visible = torch.arange(context.shape[1], device=query.device) < batch.context_lens[:, None]
             # an additive mask (0 or -inf): what torch would otherwise make of a boolean one in every layer
             additive = torch.zeros(visible.shape, dtype=query.dtype, device=query.device).masked_fill_(~visible, -torch.inf)
             batch.per_step["sdpa"] = slots, additive[:, None, None, :]

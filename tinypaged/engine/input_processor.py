@@ -12,14 +12,15 @@ call leaves the engine exactly as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-import torch
 
 from tinypaged.kv.managers import check_fits
+from tinypaged.sampling.sampler import sample_generator
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.sequence import Sequence
 
@@ -33,28 +34,22 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None  # why the engine failed this request (finish_reason "error"), else None
     priority: int = 0  # vLLM's: with scheduling_policy="priority", lower values are scheduled first
+    # parallel_sampling="fanout", n > 1 (vLLM v1's ParentRequest): the core's requests, one per sample; else empty
+    children: list["Request"] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
-def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
-    """The generator of sample ``index`` of a seeded request: seed + index (vLLM v1's child seeds),
-    wrapped into torch's 64-bit seed range so a seed near the top cannot overflow mid-batch."""
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed((seed + index) % 2**64)
-
-
 class InputProcessor:
-    def __init__(self, config, vocab_size: int, kv, encode, clock, eos_token_ids=lambda: ()):
+    def __init__(self, config, vocab_size: int, kv, encode, clock, eos_token_ids=()):
         self.config = config
         self.vocab_size = vocab_size
         self.kv = kv
         self.encode = encode  # text -> token ids (the tokenizer loads on the first text prompt)
         self.clock = clock
-        self.eos_token_ids = eos_token_ids  # () -> the model's EOS ids (they grow when the tokenizer loads)
+        self.eos_token_ids = eos_token_ids  # the model's EOS ids: the core's set (it grows when the tokenizer loads)
 
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                      arrival_time: float | None = None, priority: int = 0) -> Request:
@@ -91,12 +86,16 @@ class InputProcessor:
                              f"max_num_seqs={c.max_num_seqs}; raise max_num_seqs or use parallel_sampling='fanout'")
         req = Request(request_id, text, ids, params, priority=priority)
         arrival = self.clock() if arrival_time is None else arrival_time
-        # fork: one sequence now, n - 1 children at its first sample; fanout (vLLM v1): n independent
-        # sequences whose seeds are seed + index, sharing the prompt only through the prefix cache
-        for k in range(1 if fork or params.n == 1 else params.n):
-            forks = params.n - 1 if fork and k == 0 else 0
-            req.seqs.append(Sequence(request_id, ids, params, k, arrival, sample_generator(params.seed, k), salt, forks,
-                                     priority))
+        if params.n > 1 and not fork:  # fanout (vLLM v1): n child requests "k_<id>", seeds seed + k
+            for k in range(params.n):
+                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else (params.seed + k) % 2**64)
+                seq = Sequence(f"{k}_{request_id}", ids, child, k, arrival, sample_generator(params.seed, k), salt, 0,
+                               priority)
+                req.seqs.append(seq)
+                req.children.append(Request(seq.request_id, text, ids, child, [seq], priority=priority))
+        else:  # one sequence; fork (paper, v0): its n - 1 children come at its first sample
+            req.seqs.append(Sequence(request_id, ids, params, 0, arrival, sample_generator(params.seed, 0), salt,
+                                     params.n - 1 if fork else 0, priority))
         check_fits(self.kv, req.seqs[0])
         return req
 
@@ -104,7 +103,7 @@ class InputProcessor:
         """Until ``min_tokens``, the stop token ids and EOS cannot be sampled: some token must remain."""
         if params.min_tokens == 0:
             return
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids()))
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
         if sum(0 <= t < self.vocab_size for t in banned) == self.vocab_size:
             eos = "" if params.ignore_eos else " and EOS"
             raise ValueError(f"Request {request_id}: stop_token_ids{eos} cover the whole vocabulary "

@@ -1,13 +1,13 @@
-"""The engine: requests in, one scheduled step at a time, outputs out.
+"""The front end of one engine: requests in, one step at a time, outputs out (vLLM v1's ``LLMEngine``).
 
-    add_request() -> [waiting] -> step(): schedule -> run the model -> sample -> update progress -> outputs
+    add_request() -> input processor -> EngineCore.step(): schedule -> execute -> update -> output processor -> outputs
 
-``step()`` is public so notebooks and tools can watch the engine work one iteration at a time.
-The engine only wires the parts together; each piece of state has one owner (see
-``tinypaged.interfaces`` and docs/ARCHITECTURE.md): the input processor validates and builds
-requests, the KV manager owns placement, the scheduler owns progress, the runner owns the device,
-the sampler owns token choice and the token stop rules, the detokenizer owns text and stop
-strings, the output processor builds outputs, and ``EngineMetrics`` owns the counters.
+``LLMEngine`` owns text: the input processor validates and tokenizes a request, the ``EngineCore`` (``core.py``)
+steps it in token ids, and the output processor brings each sample's text up to date, searches its stop strings
+(a hit ends that sample in the core: ``EngineCore.stop_sample``) and builds the ``RequestOutput`` of each request
+that ended. ``step()`` is public so notebooks and tools can watch the engine work one iteration at a time; the
+core's parts (``model``, ``runner``, ``kv``, ``scheduler``, ``requests``, ``metrics``) are read through it, and
+owned there (see ``tinypaged.interfaces`` and docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -15,25 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from functools import partial
 
-import torch
-
-from tinypaged.attention.selector import make_backend
 from tinypaged.config import EngineConfig
+from tinypaged.engine.core import EngineCore
 from tinypaged.engine.detokenizer import Detokenizer
-from tinypaged.model.fused import fuse_projections
-from tinypaged.engine.input_processor import InputProcessor, Request, sample_generator
-from tinypaged.interfaces import POLICY_REQUIRED, require
-from tinypaged.kv.managers import build_kv_manager
-from tinypaged.engine.metrics import EngineMetrics
-from tinypaged.model.loader import eos_token_ids, load_model, load_tokenizer
-from tinypaged.worker.model_runner import ModelRunner, memory_snapshot
+from tinypaged.engine.input_processor import InputProcessor, Request
 from tinypaged.engine.output_processor import OutputProcessor
+from tinypaged.model.loader import eos_token_ids, load_tokenizer
 from tinypaged.outputs import StepResult
-from tinypaged.sampling.sampler import check_stop, sample
 from tinypaged.sampling_params import SamplingParams
-from tinypaged.sched.scheduler import Scheduler, make_policy
 from tinypaged.sequence import FinishReason
 
 __all__ = ["LLMEngine", "Request", "StepResult", "configure_logging"]
@@ -52,46 +42,36 @@ def configure_logging() -> None:
         logger.propagate = False
 
 
+def _core_part(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.core, name), doc=f"The core's {doc} (``EngineCore.{name}``).")
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, detokenize: bool = True):
-        """``detokenize=False``: the front end owns text and stop strings (the engine core process, whose server
-        detokenizes), so the output processor has no detokenizer and every ``text`` stays empty."""
+    def __init__(self, config: EngineConfig):
         configure_logging()
         self.config = config
-        self.device = config.torch_device
-        self.dtype = config.torch_dtype
-        mem_at_start = memory_snapshot(self.device)  # before the weights: sizing counts what we add
-        self.model = load_model(config.model, self.dtype, self.device, config.seed)
-        fuse_projections(self.model)  # after load_model's .to(): fused weights and views stay one tensor
-        hf = self.model.config
-        config.finalize(hf.max_position_embeddings)
-        self.vocab_size = hf.vocab_size
+        self.core = EngineCore(config)
         self._tokenizer = None
-        self.generator = torch.Generator().manual_seed(config.seed)
-        checking = config.has_plugins if config.check_invariants is None else config.check_invariants
-        backend = make_backend(config.attention_backend, config.block_size)
-        self.runner = ModelRunner(self.model, self.device, backend)
-        self.bytes_per_token = self.runner.bytes_per_token
-        # the runner sizes and allocates the cache; the KV manager (built-in or a plug-in) manages it
-        self.kv_tensors, spec = self.runner.allocate_kv_cache(config, mem_at_start)
-        self.kv = build_kv_manager(config, spec, backend)
-        self.runner.attach(self.kv_tensors, self.kv.block_size)
-        if not config.enforce_eager and self.device.type == "cuda":
-            self.runner.capture_graphs(config.max_num_seqs, config.max_model_len)  # vLLM's capture at start
-        policy = make_policy(config)
-        if not hasattr(policy, "plan"):  # a plan policy decides; any other acts through schedule(scheduler)
-            require(policy, POLICY_REQUIRED, "scheduler_cls")
-        self.scheduler = Scheduler(config, self.kv, policy, clock=self.clock,
-                                   check_invariants=checking)
-        self.input_processor = InputProcessor(config, self.vocab_size, self.kv,
-                                              lambda text: self.tokenizer.encode(text), self.clock,
-                                              lambda: self.eos_token_ids)
-        self._eos_token_ids = set(eos_token_ids(config.model))  # the token rules' (check_stop), and the sampler's
-        self.output_processor = OutputProcessor(Detokenizer(self.detokenize) if detokenize else None)  # text, stops
-        self.requests: dict[str, Request] = {}
-        self.kv_event_sink = None  # set_kv_event_sink: where each step's KV events go
-        self._t0 = time.perf_counter()
-        self.metrics = EngineMetrics(config.history_size, self.clock)
+        self.input_processor = InputProcessor(config, self.core.vocab_size, self.core.kv,
+                                              lambda text: self.tokenizer.encode(text), self.core.clock,
+                                              self.core.eos_token_ids)
+        self.output_processor = OutputProcessor(Detokenizer(self.detokenize))  # text and stop strings
+        self.requests: dict[str, Request] = {}  # the callers' unfinished requests (a fanned-out one: the parent)
+        self.parent_of: dict[str, Request] = {}  # a child's id in the core -> its parent (vLLM's ParentRequest)
+
+    model = _core_part("model", "model")
+    runner = _core_part("runner", "model runner (the device, the KV tensors)")
+    kv = _core_part("kv", "KV cache manager")
+    scheduler = _core_part("scheduler", "scheduler")
+    metrics = _core_part("metrics", "counters and step history")
+    device, dtype = _core_part("device", "torch device"), _core_part("dtype", "torch dtype")
+    vocab_size = _core_part("vocab_size", "vocabulary size")
+    kv_tensors = _core_part("kv_tensors", "KV cache tensors")
+    bytes_per_token = _core_part("bytes_per_token", "KV bytes per token")
+    generator = _core_part("generator", "sampling generator of unseeded requests")
+
+    def clock(self) -> float:
+        return self.core.clock()
 
     # -- tokenizer -------------------------------------------------------------------------
     @property
@@ -101,7 +81,7 @@ class LLMEngine:
             if self._tokenizer is None:
                 raise ValueError(f"Model {self.config.model!r} ships no tokenizer: pass prompts as "
                                  f"{{'prompt_token_ids': [...]}} and read token_ids from the outputs")
-            self.eos_token_ids |= eos_token_ids(self.config.model, self._tokenizer)
+            self.eos_token_ids = self.eos_token_ids | eos_token_ids(self.config.model, self._tokenizer)
         return self._tokenizer
 
     def detokenize(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -114,19 +94,17 @@ class LLMEngine:
 
     @property
     def eos_token_ids(self) -> set[int]:
-        """The model's end-of-sequence ids (the tokenizer's join when it loads); the token rules read them."""
-        return self._eos_token_ids
+        """The model's end-of-sequence ids (the tokenizer's join when it loads); the core's token rules read them."""
+        return self.core.eos_token_ids
 
     @eos_token_ids.setter
     def eos_token_ids(self, ids) -> None:
-        self._eos_token_ids = set(ids)
+        self.core.eos_token_ids = self.input_processor.eos_token_ids = set(ids)  # the token rules' and min_tokens'
+
 
     @property
-    def detokenizer(self) -> Detokenizer | None:
+    def detokenizer(self) -> Detokenizer:
         return self.output_processor.detokenizer
-
-    def clock(self) -> float:
-        return time.perf_counter() - self._t0
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt, params: SamplingParams | None = None,
@@ -137,15 +115,13 @@ class LLMEngine:
     def enqueue(self, reqs: Request | list[Request]) -> None:
         """Queue built requests: all of them, or (an id already in use, or used twice) none."""
         reqs = [reqs] if isinstance(reqs, Request) else list(reqs)
-        seen = set()
-        for req in reqs:
-            if req.request_id in self.requests or req.request_id in seen:
-                raise ValueError(f"Request id {req.request_id!r} is already in use")
-            seen.add(req.request_id)
+        taken = [r.request_id for r in reqs if r.request_id in self.requests]
+        if taken:
+            raise ValueError(f"Request id {taken[0]!r} is already in use")
+        self.core.add_requests(reqs)
         for req in reqs:
             self.requests[req.request_id] = req
-            for seq in req.seqs:
-                self.scheduler.add(seq)
+            self.parent_of.update((child.request_id, req) for child in req.children)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
@@ -162,107 +138,63 @@ class LLMEngine:
                             f"request ids are strings (RequestOutput.request_id)")
         for rid in ids:
             req = self.requests.pop(rid, None)
-            if req is not None:
-                self._end_request(req, FinishReason.ABORT)
-                self.metrics.record_aborted()
-
-    def _end_request(self, req: Request, reason: FinishReason) -> None:
-        """Finish every unfinished sequence of ``req`` with ``reason``, its text final, its blocks freed."""
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.output_processor.finish(seq)
-        self.scheduler.abort(req.seqs, reason)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.output_processor.finish(seq)  # its text is final
+            for child in req.children:
+                self.parent_of.pop(child.request_id, None)
+            self.core.abort_requests([child.request_id for child in req.children] or [rid])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished_requests()
+
+    def set_kv_event_sink(self, sink) -> None:
+        """Where each step's KV events go (``EngineCore.set_kv_event_sink``)."""
+        self.core.set_kv_event_sink(sink)
 
     # -- one iteration -----------------------------------------------------------------------
-    def set_kv_event_sink(self, sink) -> None:
-        """``sink(records)`` receives the KV manager's events (``tinypaged.kv.events``) after every step that
-        made some, as vLLM v1's scheduler hands its KV cache manager's events to the publisher; None stops it."""
-        if sink is not None and not callable(getattr(self.kv, "take_events", None)):
-            raise ValueError(f"KV events need a KV manager that records them (take_events); "
-                             f"{type(self.kv).__name__} has none")
-        self.kv_event_sink = sink
-
     def step(self, select_tokens=None) -> StepResult:
-        """Schedule, run the model, sample, update progress. ``select_tokens(seqs, logits)`` replaces
-        sampling for callers that choose tokens themselves (beam search); it then owns their progress.
-        Then the step's KV events, if anyone takes them."""
-        try:
-            return self._step(select_tokens)
-        finally:
-            if self.kv_event_sink is not None:
-                events = self.kv.take_events()
-                if events:
-                    self.kv_event_sink(events)
-
-    def _step(self, select_tokens) -> StepResult:
-        sched = self.scheduler
-        out = sched.schedule()
-        # the KV manager's swaps and copy-on-write copies of this step, before any forward (even with nothing to run)
-        self.runner.move_blocks(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        result = StepResult(self.metrics.counters["num_steps"], out.scheduled, {}, out.preempted, [])
-        if not out.scheduled:
-            return result
-        logits, _ = self.runner.execute(out.batch)  # rows of the chunks that sample, in batch order
-        sampling = [item.seq for item, chunk in zip(out.scheduled, out.batch) if chunk.samples]
-        sched.advance(out)
-        if sampling and select_tokens is not None:
-            select_tokens(sampling, logits)
-        elif sampling:
-            rows, seqs = sched.expand_forks(sampling, self._fork_generator)
-            if len(seqs) > len(sampling):  # children just forked: their requests list them
-                parents = {s.seq_id for s in sampling}
-                for child in seqs:
-                    if child.seq_id not in parents:
-                        self.requests[child.request_id].seqs.append(child)
-            if rows != list(range(logits.shape[0])):  # forks share their parent's row; else each row once, in order
-                logits = logits[rows]
-            tokens, logprobs, failures = sample(logits, seqs, self.generator, self.eos_token_ids)
-            failed = {seqs[i].request_id: why for i, why in failures.items()}
-            if failed:  # those requests fail alone; the rest of the batch carries on
-                kept = [i for i, seq in enumerate(seqs) if seq.request_id not in failed]
-                seqs, tokens, logprobs = [seqs[i] for i in kept], [tokens[i] for i in kept], [logprobs[i] for i in kept]
-            now = self.clock()
-            token_rules = partial(check_stop, eos_token_ids=self.eos_token_ids, max_model_len=self.config.max_model_len)
-            sched.update_from_output(seqs, tokens, logprobs, now, token_rules)  # EOS, stop token ids, length
-            for seq, stop in self.output_processor.process(seqs):  # text and stop strings, after the step
-                sched.finish_by_stop_string(seq, stop, now)  # a stop string ends its sequence (vLLM: an abort)
-            done = [seq for seq in seqs if seq.is_finished]
-            result.new_tokens = {seq.seq_id: tok for seq, tok in zip(seqs, tokens)}
-            result.sampled = seqs
-            for seq in done:
-                req = self.requests.get(seq.request_id)  # gone if a sibling sample just finished it
-                if req is not None and req.finished:
-                    result.finished.append(self.output_processor.request_output(self.requests.pop(req.request_id)))
-                    self.metrics.record_finished()
-            for request_id, why in failed.items():
-                result.finished.append(self._fail_request(request_id, why))
-        self.metrics.record_step(out, len(result.sampled), sched, self.kv)
-        return result
-
-    def _fail_request(self, request_id: str, why: str):
-        """End one request the engine cannot go on with (``finish_reason="error"``, the reason in its
-        output's ``error``); the other requests of the step are untouched."""
-        req = self.requests.pop(request_id)
-        req.error = f"request {request_id} failed: {why}"
-        logger.error("%s; the other requests carry on", req.error)
-        self._end_request(req, FinishReason.ERROR)
-        self.metrics.record_finished()
-        return self.output_processor.request_output(req)
-
-    def _fork_generator(self, parent, k: int):
-        """parallel_sampling="fork": child ``k``'s generator, seeded from its request's seed."""
-        return sample_generator(self.requests[parent.request_id].params.seed, k)
+        """One core step (schedule, run the model, sample, the token rules), then text and stop strings.
+        ``select_tokens(seqs, logits)`` replaces sampling for callers that choose tokens themselves (beam
+        search); it then owns their progress."""
+        core = self.core.step(select_tokens)
+        first = {}  # each caller's request -> the place of its first sample in the step
+        for i, seq in enumerate(core.sampled):
+            first.setdefault(self.parent_of.get(seq.request_id, seq).request_id, i)
+        ended = list(core.finished)
+        for seq, stop in self.output_processor.process(core.sampled):  # text and stop strings, after the step
+            req = self.core.stop_sample(seq, stop)  # a stop string ends its sample (vLLM: an abort in the core)
+            if req is not None:
+                ended.append(req)
+        done = {}  # the callers' requests that ended, by id
+        for req in ended:
+            parent = self.parent_of.pop(req.request_id, req)
+            if req.error is not None:  # it failed: so does its parent, and the samples still running with it
+                parent.error = req.error
+                self.core.abort_requests([c.request_id for c in parent.children if c.request_id in self.core.requests],
+                                         FinishReason.ERROR)
+                for seq in parent.seqs:  # the samples a failure ended keep the text of the tokens they had
+                    if seq.finish_reason is FinishReason.ERROR:
+                        self.output_processor.finish(seq)
+            if parent.finished and self.requests.pop(parent.request_id, None) is not None:
+                done[parent.request_id] = parent
+                for child in parent.children:
+                    self.parent_of.pop(child.request_id, None)
+        order = sorted(done.values(), key=lambda r: (r.error is not None, first.get(r.request_id, len(first))))
+        return StepResult(core.step, core.scheduled, core.new_tokens, core.preempted,
+                          [self.output_processor.request_output(req) for req in order], core.sampled, core.timings,
+                          core.stats)
 
     # -- the one loop to completion ------------------------------------------------------------
     def run_until_done(self, request_ids=(), until=None, select_tokens=None,
-                       wait_until=None) -> Iterator[StepResult]:
+                       spin_wait: float = 0.0) -> Iterator[StepResult]:
         """The one loop that drives the engine to completion (``LLM.generate`` and its stream, beam
         search, the lab's replays): step until every request of ``request_ids`` has finished (or until
         ``until()`` is true), yielding each ``StepResult``. A step that scheduled nothing waits for the
-        next arrival before it is yielded (``wait_until(clock, t)``; default: sleeps of at most 50 ms).
+        next arrival before it is yielded (sleeps of at most 50 ms; with ``spin_wait`` the whole wait, its last
+        ``spin_wait`` seconds spun: a sleep can overshoot by a millisecond, which the lab's timed replays avoid).
         A request aborted by hand since the previous step (from the caller, between steps) is reported
         in the next step's ``finished``, with ``finish_reason="abort"`` and the tokens it had. If the
         caller stops early (an exception, KeyboardInterrupt, a generator closed), the requests still
@@ -277,7 +209,7 @@ class LLMEngine:
                 aborted = [rid for rid in pending if rid not in self.requests]  # by hand, since the last step
                 step.finished += [self.output_processor.request_output(pending.pop(rid)) for rid in aborted]
                 if not step.scheduled and not done():
-                    _wait_for_arrival(self, sorted(pending), wait_until)
+                    _wait_for_arrival(self, sorted(pending), spin_wait)
                 yield step
         finally:
             if pending:
@@ -294,12 +226,13 @@ class LLMEngine:
 
     def get_metrics(self) -> dict:
         """Counters, queue sizes and the KV manager's statistics (computed on demand)."""
-        return self.metrics.snapshot(self.scheduler, self.kv)
+        return self.core.get_metrics()
 
 
-def _wait_for_arrival(engine: LLMEngine, pending: list, wait_until) -> None:
-    """A step ran nothing: wait for the next arrival (``wait_until(clock, t)``, or sleeps of at most 50 ms);
-    with nothing left in any queue, the pending requests were dropped and the engine would wait forever."""
+def _wait_for_arrival(engine: LLMEngine, pending: list, spin: float) -> None:
+    """A step ran nothing: wait for the next arrival (sleeps of at most 50 ms; with ``spin``, until it arrives,
+    waking ``spin`` seconds early and spinning); with nothing left in any queue, the pending requests were dropped
+    and the engine would wait forever."""
     if not engine.has_unfinished_requests():
         raise RuntimeError(f"requests {pending} left every queue unfinished (a plug-in dropped them?); "
                            f"the engine would wait forever")
@@ -307,7 +240,10 @@ def _wait_for_arrival(engine: LLMEngine, pending: list, wait_until) -> None:
     if not waiting:
         return
     arrival = waiting[0].times.arrival
-    if wait_until is not None:
-        wait_until(engine.clock, arrival)
+    if spin:
+        if arrival - engine.clock() > spin:
+            time.sleep(arrival - engine.clock() - spin)
+        while engine.clock() < arrival:
+            pass
     elif arrival > engine.clock():
         time.sleep(min(arrival - engine.clock(), 0.05))

@@ -118,6 +118,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-gpu-blocks-override", type=int, default=None)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     ap.add_argument("--enable-prefix-caching", action="store_true")
+    ap.add_argument("--parallel-sampling", default=None, choices=("fork", "fanout"),
+                    help="n > 1: fork (the paper's copy-on-write samples, one request; the default) or fanout (vLLM "
+                         "v1: n child requests sharing the prompt through the prefix cache)")
     ap.add_argument("--kv-cache-manager", default=None, type=kv_cache_manager,
                     help=registry_help(KV_MANAGERS, "a KV-manager factory to plug in (e.g. a learner's, from a .py "
                                                     "file: path/to/file.py:Name); default: paged"))
@@ -139,12 +142,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "default 5); a request's head must arrive within 10 s and its body within 30 s")
     ap.add_argument("--kv-events-config", default=None, type=kv_events_config, metavar="JSON",
                     help="publish KV cache events as vLLM does (stage 9), e.g. '{\"enable_kv_cache_events\": true, "
-                         "\"endpoint\": \"tcp://127.0.0.1:5557\"}' (entrypoints/kv_events.py)")
+                         "\"endpoint\": \"tcp://127.0.0.1:5557\"}' (engine/kv_events.py)")
 
 
 def kv_events_config(text: str):
     """An argparse type: ``--kv-events-config``'s JSON, checked field by field before the model loads."""
-    from tinypaged.entrypoints.kv_events import parse_config
+    from tinypaged.engine.kv_events import parse_config
 
     try:
         return parse_config(text)
@@ -156,7 +159,7 @@ def check_kv_events(args) -> None:
     """``--kv-events-config`` with events on needs the prefix cache: refused before the model loads."""
     events = getattr(args, "kv_events_config", None)
     if isinstance(events, str):  # a caller's own namespace (the engine core's)
-        from tinypaged.entrypoints.kv_events import parse_config
+        from tinypaged.engine.kv_events import parse_config
 
         events = parse_config(events)
     if events is not None and events.enabled and not args.enable_prefix_caching:
@@ -212,6 +215,8 @@ def engine_knobs(args) -> tuple[dict, object]:
                  num_gpu_blocks_override=args.num_gpu_blocks_override,
                  kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=args.enable_prefix_caching,
                  history_size=0)
+    if getattr(args, "parallel_sampling", None) is not None:
+        knobs["parallel_sampling"] = args.parallel_sampling
     # the plug-in flags hold the loaded objects (``plugin``); a string (a caller's own namespace) is loaded here
     for flag in ("kv_cache_manager", "scheduling_policy", "scheduler_cls", "attention_backend"):
         value = getattr(args, flag, None)
@@ -224,7 +229,7 @@ def engine_knobs(args) -> tuple[dict, object]:
             knobs[flag] = value
     events = getattr(args, "kv_events_config", None)
     if isinstance(events, str):  # a caller's own namespace
-        from tinypaged.entrypoints.kv_events import parse_config
+        from tinypaged.engine.kv_events import parse_config
 
         events = parse_config(events)
     check_kv_events(args)
@@ -243,7 +248,7 @@ def engine_config(args):
 def attach_kv_events(engine, events) -> None:
     """Publish ``engine``'s KV events after each of its steps, where the engine steps (``--kv-events-config``)."""
     if events is not None and events.enabled:
-        from tinypaged.entrypoints import kv_events
+        from tinypaged.engine import kv_events
 
         kv_events.attach(engine, events)
 
@@ -278,7 +283,8 @@ def core_args(args) -> dict:
     out = {}
     for name in ("model", "dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
                  "num_gpu_blocks_override", "kv_cache_memory_bytes", "enable_prefix_caching", "kv_cache_manager",
-                 "scheduling_policy", "scheduler_cls", "attention_backend", "kv_events_config"):
+                 "scheduling_policy", "scheduler_cls", "attention_backend", "kv_events_config",
+                 "parallel_sampling"):
         value = getattr(args, name, None)
         if dataclasses.is_dataclass(value):  # --kv-events-config, parsed: back to its JSON
             value = json.dumps(dataclasses.asdict(value))

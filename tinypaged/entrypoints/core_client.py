@@ -20,13 +20,21 @@ server): each sample gets a ``SampleText`` run by the engine's own ``Detokenizer
 detokenizer.py``: stop strings searched in settled text only, the same cut, the same hold-back while streaming),
 so text, ``finish_reason`` and ``stop_reason`` are those of the in-process engine. When a stop string fires, the
 sample is finished here (``finish_reason="stop"``, ``stop_reason`` the string) and ``StopSample`` frees its
-blocks in the core at once; tokens the core made for it meanwhile are dropped. For ``n > 1`` vLLM's front end
-fans a request out into ``n`` child requests (seeds ``seed + index``) so one sample can stop alone; here the
-engine keeps the ``n`` samples in one request (``parallel_sampling="fork"`` shares the prompt's blocks, the
-samples' seeds are already ``seed + index``), so the core is told to stop one sample instead.
+blocks in the core at once; tokens the core made for it meanwhile are dropped.
 
-* ``submit`` sends ``Add`` and waits for ``Added`` or ``Rejected`` (the engine's own checks), so a bad request
-  is refused before it is queued and nothing else is disturbed;
+``n > 1`` runs as the engine's ``parallel_sampling`` says (the core tells it in ``Ready``): ``"fork"`` (the default,
+the paper's copy-on-write samples) keeps the ``n`` samples in one request of the core, which ``StopSample`` stops one
+at a time; ``"fanout"`` is vLLM v1's ``ParentRequest``: ``submit`` sends ``n`` child requests ``f"{k}_{request_id}"``
+(``n=1``, seed ``seed + k``: the in-process engine's samples, token for token) and joins their outputs back into
+sample ``k`` (``FanOut`` in ``core_requests.py``); a stop string aborts its child in the core, aborting the parent
+aborts every child, the parent ends when all of them have, and a child that fails or is rejected fails it.
+
+* adds are fire-and-forget (vLLM v1's): ``submit`` checks what this process can (the queue bound, ids, numbers the
+  wire cannot carry), books the request and sends ``Add``; the core's own checks answer only a refusal,
+  ``Rejected``, which ends the request with a ``Rejection`` as its one event (``engine_client.py``), nothing of it
+  queued and nothing else disturbed. The usage's prompt tokens are the ones tokenized here;
+* every ``Outputs`` carries the scheduler's stats after it; the latest are ``stats`` (the server's gauges), while
+  ``engine_metrics`` asks the core for its full snapshot, ordered after everything sent before it;
 * the core process dying is noticed within 0.1 s: every open request ends with an error event, new ones are
   refused (``EngineDead``, a 503), and ``on_death`` is called (``serve`` then exits non-zero);
 * ``stop`` sends ``Shutdown``, waits for the process, and kills it if it does not go.
@@ -34,6 +42,7 @@ samples' seeds are already ``seed + index``), so the core is told to stop one sa
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -46,7 +55,7 @@ from tinypaged.engine.output_processor import settle
 from tinypaged.entrypoints import engine_core as msg
 from tinypaged.entrypoints.core_proc import CoreChannel, CoreProcess
 from tinypaged.entrypoints.core_proc import SOCKET_DIR_PREFIX, remove_stale_socket_dirs  # noqa: F401 - their old home
-from tinypaged.entrypoints.core_requests import RequestTable
+from tinypaged.entrypoints.core_requests import RequestTable, child_id
 from tinypaged.entrypoints.engine_loop import EngineDead, Event, ShuttingDown, Submission
 from tinypaged.sequence import FinishReason
 
@@ -148,7 +157,7 @@ class ServerOutputs:
                 self.requests.fail(t.request_id, f"detokenization failed: {type(exc).__name__}: {exc}")
                 continue
             if stop_in_core:  # a stop string finished a sample the core still runs: free its blocks now
-                self.requests.send_if_live(msg.StopSample(t.request_id, t.index))
+                self.requests.stop_sample(t.request_id, t.index)
             if text is None:
                 continue
             kept.append(t)
@@ -160,16 +169,36 @@ class ServerOutputs:
         if obs is not None and kept:
             obs.on_step(SimpleNamespace(sampled=kept))
         for f in m.finished:
-            sub, samples = self.requests.finish(f.request_id)
+            sub, samples, fan = self.requests.finish(f.request_id, failed=f.error is not None)
             if sub is None:
                 continue
             choices = self.final_choices(f, samples)
+            if fan is not None:
+                self.child_finished(fan, sub, f, choices[0], obs)
+                continue
             if obs is not None:
                 out = SimpleNamespace(outputs=choices, error=f.error, metrics=SimpleNamespace(
                     time_to_first_token=f.time_to_first_token, e2e_latency=f.e2e_latency))
                 obs.on_finish(sub, out)
             for c in choices:
                 sub.deliver(Event(f.request_id, c.index, "", [], True, c.finish_reason, c.stop_reason, f.error))
+
+
+    @staticmethod
+    def child_finished(fan, sub, f: msg.Finished, choice: msg.Choice, obs) -> None:
+        """Fan-out child ``sub`` has ended (``finish``): its sample's final event, or, if it failed, its parent's error
+        (``finish`` has aborted the other children); the observer's ``on_finish`` once the parent has ended."""
+        index = fan.child_ids.index(f.request_id)
+        if f.error is None:
+            fan.record(index, choice, f)
+            sub.deliver(Event(f.request_id, 0, "", [], True, choice.finish_reason, choice.stop_reason))
+        else:
+            fan.sub.deliver(Event(fan.request_id, 0, "", [], True, None, None, f.error))
+        if fan.open and f.error is None or obs is None:
+            return
+        choices = [fan.choices.get(k, msg.Choice(k, None, None)) for k in range(len(fan.child_ids))]
+        obs.on_finish(fan.sub, SimpleNamespace(outputs=choices, error=f.error, metrics=SimpleNamespace(
+            time_to_first_token=fan.time_to_first_token, e2e_latency=fan.e2e_latency)))
 
 
 class CoreClient:
@@ -190,6 +219,8 @@ class CoreClient:
         self.args, self.model, self.max_queued = args, args["model"], max_queued
         self.observer, self.on_death, self.startup_timeout = observer, on_death, startup_timeout
         self.max_model_len = self.max_num_seqs = self.vocab_size = 0
+        self.parallel_sampling = "fork"  # the engine's (Ready): "fanout" makes n > 1 child requests here
+        self.stats: dict | None = None  # the core's scheduler stats after its latest output (None before the first)
         self.dead: str | None = None  # why the core process ended, once it has
         self.process = CoreProcess(args, startup_timeout)
         self.channel = CoreChannel()
@@ -211,7 +242,7 @@ class CoreClient:
             self.channel.close()
             raise
         self.max_model_len, self.max_num_seqs = ready.max_model_len, ready.max_num_seqs
-        self.vocab_size = ready.vocab_size
+        self.vocab_size, self.parallel_sampling = ready.vocab_size, ready.parallel_sampling
         self.tokenizer  # noqa: B018 - detokenization is this process's: loaded before the first request
         self._reader = threading.Thread(target=self._read, name="tinypaged-core-client", daemon=True)
         self._reader.start()
@@ -235,32 +266,34 @@ class CoreClient:
         return f"{prefix}-{next(self._ids)}"
 
     def submit(self, request_id: str, prompt, params, deliver, priority: int = 0) -> Submission:
-        """Send one (tokenized) request and wait for the core's verdict; raises ValueError/TypeError/
-        NotImplementedError (the engine's checks), Overloaded, ShuttingDown or EngineDead before anything is
-        queued. ``prompt`` is {"prompt_token_ids": [...]} with, optionally, its "prompt" text."""
+        """Book one (tokenized) request and send it (fire-and-forget: the core's checks come back as a
+        ``Rejection`` event); raises ValueError (a number the wire cannot carry, an id in use), Overloaded,
+        ShuttingDown or EngineDead, and then nothing is booked. ``prompt`` is {"prompt_token_ids": [...]} with,
+        optionally, its "prompt" text. ``n > 1`` under ``parallel_sampling="fanout"``: ``n`` child requests."""
         self._check_open()
-        sub = Submission(request_id, deliver, 0, params.n)
+        ids = list(prompt["prompt_token_ids"])
+        sub = Submission(request_id, deliver, len(ids), params.n)
+        priority = check_priority(priority, None, f"Request {request_id}: priority")  # the core checks the policy
+        if params.n > 1 and self.parallel_sampling == "fanout":  # vLLM v1's ParentRequest: child k has seed + k
+            children = [(child_id(k, request_id), dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else (params.seed + k) % 2**64)) for k in range(params.n)]
+        else:
+            children = [(request_id, params)]
         # encoded before anything is booked: a value the message cannot carry (an integer beyond 64 bits) is a
         # ValueError here, and no slot is taken
-        priority = check_priority(priority, None, f"Request {request_id}: priority")  # the core checks the policy
         try:
-            data = self.channel.encode(msg.Add(request_id, prompt.get("prompt"), list(prompt["prompt_token_ids"]),
-                                               msg.params_message(params), priority=priority))
+            adds = [(rid, p, self.channel.encode(msg.Add(rid, prompt.get("prompt"), ids, msg.params_message(p),
+                                                         priority=priority))) for rid, p in children]
         except OverflowError as exc:
             raise ValueError(f"Request {request_id}: a number in the request does not fit in 64 bits ({exc})") \
                 from None
-        verdict = self.requests.book(request_id, sub, params, data, self.max_num_seqs, self.max_queued).result()
-        if isinstance(verdict, msg.Rejected):
-            raise {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(
-                verdict.kind, ValueError)(verdict.message)
-        if isinstance(verdict, BaseException):
-            raise verdict
-        sub.num_prompt_tokens = verdict.num_prompt_tokens
+        self.requests.book(sub, adds, self.max_num_seqs, self.max_queued)
         return sub
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is; the core frees its blocks and ends it (a no-op once it has ended)."""
-        self.requests.send_if_live(msg.Abort([request_id]), request_id)
+        """Stop a request wherever it is (a fan-out: all its children); the core frees its blocks and ends it (a
+        no-op once it has ended)."""
+        self.requests.abort(request_id)
 
     def engine_metrics(self) -> dict:
         """The engine's ``get_metrics()``, read in the core between two steps."""
@@ -317,9 +350,11 @@ class CoreClient:
 
     def _handle(self, m) -> None:
         if isinstance(m, msg.Outputs):
+            if m.stats is not None:  # before the events: a response that has ended finds the gauges moved
+                self.stats = m.stats
             self.outputs.process(m, self.observer)
-        elif isinstance(m, (msg.Added, msg.Rejected)):
-            self.requests.settle(m)
+        elif isinstance(m, msg.Rejected):
+            self.requests.reject(m)
         elif isinstance(m, msg.MetricsReply):
             self.requests.answer_metrics(m)
 

@@ -10,11 +10,16 @@ multi-process ones (``SyncMPClient``, ``AsyncMPClient``). tinypaged has the same
 Both are ``EngineClient``s (checked in ``tests/test_engine_client.py``); the routes call nothing else of them. Their
 contract:
 
-* ``submit`` adds a request (a prompt as ``{"prompt_token_ids": [...]}``), after the engine's own checks: it raises
-  ``ValueError`` / ``TypeError`` (a bad request), ``Overloaded`` (past ``max_num_seqs + max_queued`` in flight),
-  ``ShuttingDown`` or ``EngineDead`` before anything is queued; otherwise the request's outputs stream to
-  ``deliver`` as ``Event``\\ s (each sample's newly settled text and token ids), and it gets exactly one final event
-  per sample (finished, aborted, or failed with ``error``);
+* ``submit`` adds a request (a prompt as ``{"prompt_token_ids": [...]}``): it raises ``ValueError`` / ``TypeError``
+  (a bad request), ``Overloaded`` (past ``max_num_seqs + max_queued`` in flight), ``ShuttingDown`` or ``EngineDead``
+  before anything is queued; otherwise the request's outputs stream to ``deliver`` as ``Event``\\ s (each sample's
+  newly settled text and token ids), and it gets exactly one final event per sample (finished, aborted, or failed
+  with ``error``), or a single ``Rejection``;
+* who runs the engine's own checks when: ``EngineLoop`` runs them inside ``submit`` (which raises); ``CoreClient``'s
+  adds are fire-and-forget (vLLM v1's), so the core's checks (``InputProcessor``: a prompt that can never fit in
+  the KV cache, a priority under a non-priority policy, a plug-in's rule) come back after ``submit`` returned, as
+  the request's first and only event, a ``Rejection``. A caller that must refuse a rejected request before it
+  answers (the server's routes: a 400, not a 200 and then an error) waits for each request's first event;
 * ``abort`` ends a request wherever it is (a no-op once it has ended); ``drain`` stops taking requests and waits for
   those in flight; ``stop`` shuts the engine down, ending what is left.
 """
@@ -22,10 +27,27 @@ contract:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tinypaged.entrypoints.engine_loop import Event
+
 if TYPE_CHECKING:
-    from tinypaged.entrypoints.engine_loop import Event, Submission
+    from tinypaged.entrypoints.engine_loop import Submission
+
+
+@dataclass
+class Rejection(Event):
+    """A request the engine refused after ``submit`` had returned: its one and only event (``finished``, ``error``
+    the engine's message, ``kind`` the class of what its checks raised: ValueError, TypeError or
+    NotImplementedError). Nothing of the request was queued, and it has already ended (``num_in_flight``)."""
+
+    kind: str = "ValueError"
+
+    def exception(self) -> Exception:
+        """What a ``submit`` that checked at once would have raised."""
+        return {"TypeError": TypeError, "NotImplementedError": NotImplementedError}.get(self.kind, ValueError)(
+            self.error)
 
 
 @runtime_checkable

@@ -4,17 +4,25 @@
 
 * the API server (``server.py`` + ``core_client.py``): HTTP, validation, tokenization, detokenization, stop
   strings, server-sent events;
-* the engine core (this module): an ``LLMEngine`` in a busy loop that never waits on the server's event loop:
-  take what arrived on the input socket (add, abort, stop a sample, metrics, shutdown), run one step (schedule,
-  execute, sample, the token rules: EOS, stop token ids, length), send what it produced: new token ids and
-  the token rules' finishes, never text. The core gets no stop strings (``Params`` has no ``stop``) and does
-  no text work at all: it builds only its ``LLMEngine``, with ``detokenize=False`` (its output processor has no
-  detokenizer, so every ``text`` stays empty), not a whole ``LLM``. When a stop string fires in the server,
-  ``StopSample`` frees that sample's blocks here at once (vLLM's front end aborts the request in the core).
+* the engine core (this module): the ``EngineCore`` (``engine/core.py``, the one the offline ``LLMEngine`` steps
+  in-process) in a busy loop that never waits on the server's event loop: take what arrived on the input socket
+  (add, abort, stop a sample, metrics, shutdown), run one step (schedule, execute, sample, the token rules: EOS,
+  stop token ids, length), send what it produced: new token ids and the token rules' finishes, never text. The
+  core gets no stop strings (``Params`` has no ``stop``) and does no text work at all: it has no detokenizer and
+  builds no ``LLM``. When a stop string fires in the server, ``StopSample`` frees that sample's blocks here at
+  once (vLLM's front end aborts the request in the core; a fan-out child is aborted: ``Abort(stopped=True)``).
 
 Between them two ZeroMQ sockets (the server binds both, the core connects): requests flow in on one,
 outputs flow out on the other, each message one ``msgspec.Struct`` encoded as MessagePack. Messages on one
-socket keep their order, so an ``Abort`` sent before a ``GetMetrics`` is done before the metrics are read.
+socket keep their order, so an ``Abort`` sent before a ``GetMetrics`` is done before the metrics are read, and a
+request's ``Rejected`` comes before any output the core made after it.
+
+Adds are fire-and-forget (vLLM v1's): nothing answers an ``Add`` the core accepts; one its ``InputProcessor``
+refuses (a prompt that can never fit in the KV cache, a priority under a non-priority policy, a plug-in's rule)
+is answered ``Rejected`` on the output socket, and nothing of it is queued. Every ``Outputs`` carries the
+scheduler's stats after it (``EngineCore.scheduler_stats``: queues, KV-cache usage, preemptions, prefix-cache
+queries and hits; vLLM's ``SchedulerStats`` with each output batch), and the core sends an ``Outputs`` whenever
+they change (an empty one when nothing else is to be said), so the server's gauges are current without asking.
 
 The core watches its parent: when the server process is gone (its parent pid changes) it exits, so a
 crashed server leaves no engine behind; it ignores SIGINT (a terminal's Ctrl-C reaches the whole process
@@ -69,6 +77,7 @@ class Add(msgspec.Struct, tag=True):
 
 class Abort(msgspec.Struct, tag=True):
     request_ids: list[str]
+    stopped: bool = False  # the server's stop strings finished them (fan-out children): their latencies count
 
 
 class StopSample(msgspec.Struct, tag=True):
@@ -93,6 +102,7 @@ class Ready(msgspec.Struct, tag=True):
     max_model_len: int
     max_num_seqs: int
     vocab_size: int = 0  # the server checks prompt token ids against it (0: unknown, the engine checks alone)
+    parallel_sampling: str = "fork"  # n > 1: "fork" (one request, StopSample) or "fanout" (the server's children)
 
 
 class StartupFailed(msgspec.Struct, tag=True):
@@ -100,13 +110,8 @@ class StartupFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class Added(msgspec.Struct, tag=True):
-    request_id: str
-    num_prompt_tokens: int
-
-
 class Rejected(msgspec.Struct, tag=True):
-    """The engine's own validation refused the request; nothing was queued."""
+    """The engine's own validation refused an ``Add`` (the only answer an ``Add`` gets); nothing was queued."""
 
     request_id: str
     kind: str  # ValueError, TypeError or NotImplementedError
@@ -139,10 +144,12 @@ class Finished(msgspec.Struct, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True):
-    """One step's results."""
+    """One step's results (or the requests an ``Abort`` / ``StopSample`` ended, or nothing), and the scheduler's
+    stats after them (``EngineCore.scheduler_stats``; None only from a sender that has none)."""
 
     tokens: list[Token]
     finished: list[Finished]
+    stats: dict | None = None
 
 
 class MetricsReply(msgspec.Struct, tag=True):
@@ -151,7 +158,7 @@ class MetricsReply(msgspec.Struct, tag=True):
 
 
 ToCore = Union[Add, Abort, StopSample, GetMetrics, Shutdown]
-FromCore = Union[Ready, StartupFailed, Added, Rejected, Outputs, MetricsReply]
+FromCore = Union[Ready, StartupFailed, Rejected, Outputs, MetricsReply]
 
 
 def params_message(params) -> Params:
@@ -163,15 +170,21 @@ def params_message(params) -> Params:
 
 # -- the core process ------------------------------------------------------------------------------------
 class EngineCoreProc:
-    """An ``LLMEngine`` between two sockets: poll input -> add/abort -> step -> send outputs (token ids). The
-    engine is built with ``detokenize=False`` (``main``): text is the server's, so nothing is decoded here."""
+    """An ``EngineCore`` between two sockets: poll input -> add/abort -> step -> send outputs (token ids). Text is
+    the server's, so nothing is decoded here; the requests arrive tokenized and are checked by the engine's own
+    ``InputProcessor`` (without a tokenizer) before they are queued."""
 
-    def __init__(self, engine, inbox, outbox, parent_pid: int):
-        self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
+    def __init__(self, core, inbox, outbox, parent_pid: int):
+        from tinypaged.engine.input_processor import InputProcessor
+
+        self.engine, self.inbox, self.outbox, self.parent_pid = core, inbox, outbox, parent_pid
+        self.input_processor = InputProcessor(core.config, core.vocab_size, core.kv, None, core.clock,
+                                              core.eos_token_ids)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.live: set[str] = set()  # the server's requests not yet ended
         self.stop_later: set[tuple[str, int]] = set()  # samples to stop once their group is out of swap
+        self.sent_stats: dict | None = None  # the scheduler stats the server has last been sent
         self.running = True
 
     def send(self, msg) -> None:
@@ -186,6 +199,11 @@ class EngineCoreProc:
             except zmq.Again:
                 self.check_parent()
                 self.outbox.poll(100, zmq.POLLOUT)
+
+    def send_outputs(self, tokens: list, finished: list, stats: dict | None = None) -> None:
+        """An ``Outputs`` with the scheduler's stats (``stats``, or read now): every one carries them."""
+        self.sent_stats = self.engine.scheduler_stats() if stats is None else stats
+        self.send(Outputs(tokens, finished, self.sent_stats))
 
     def check_parent(self) -> None:
         if os.getppid() != self.parent_pid:  # the server is gone: leave no orphan
@@ -206,6 +224,9 @@ class EngineCoreProc:
                     except zmq.Again:
                         break
                     self.handle(self.decoder.decode(raw.buffer))
+                stats = engine.scheduler_stats()
+                if self.running and stats != self.sent_stats:  # adds, aborts, stops: the server's gauges move now
+                    self.send_outputs([], [], stats)
             self.check_parent()
             if self.running and engine.has_unfinished_requests():
                 self.step()
@@ -214,19 +235,20 @@ class EngineCoreProc:
         if isinstance(msg, Add):
             self.add(msg)
         elif isinstance(msg, Abort):
-            ended = [self.abort(rid) for rid in msg.request_ids if rid in self.live]
+            ended = [self.abort(rid, msg.stopped) for rid in msg.request_ids if rid in self.live]
             if ended:
-                self.send(Outputs([], ended))
+                self.send_outputs([], ended)
         elif isinstance(msg, StopSample):
             ended = self.stop_sample(msg.request_id, msg.index)
             if ended is not None:
-                self.send(Outputs([], [ended]))
+                self.send_outputs([], [ended])
         elif isinstance(msg, GetMetrics):
             self.send(MetricsReply(msg.ticket, _plain(self.engine.get_metrics())))
         elif isinstance(msg, Shutdown):
             self.running = False
 
     def add(self, msg: Add) -> None:
+        """Queue the request, or answer ``Rejected`` (the engine's checks); nothing answers an accepted one."""
         from tinypaged.sampling_params import SamplingParams
 
         try:
@@ -234,15 +256,14 @@ class EngineCoreProc:
             prompt = {"prompt_token_ids": msg.prompt_token_ids}
             if msg.prompt is not None:
                 prompt["prompt"] = msg.prompt
-            req = self.engine.make_request(msg.request_id, prompt, params, priority=msg.priority)
+            req = self.input_processor.make_request(msg.request_id, prompt, params, priority=msg.priority)
             if msg.max_tokens_checked:
                 check_max_tokens(params.max_tokens, len(req.prompt_token_ids), self.engine.config.max_model_len)
-            self.engine.enqueue(req)
+            self.engine.add_requests([req])
         except (ValueError, TypeError, NotImplementedError) as exc:
             self.send(Rejected(msg.request_id, type(exc).__name__, str(exc)))
             return
         self.live.add(msg.request_id)
-        self.send(Added(msg.request_id, len(req.prompt_token_ids)))
 
     def end(self, request_id: str, choices: list, error=None, metrics=None) -> Finished:
         self.live.discard(request_id)
@@ -252,12 +273,15 @@ class EngineCoreProc:
 
     def abort(self, request_id: str, finished: bool = False) -> Finished:
         """End a live request now (its blocks freed): one ``abort`` choice per sample still running.
-        ``finished``: the server's stop string ended its last sample, so its latencies are observed."""
+        ``finished``: the server's stop string ended its last sample (``StopSample``, ``Abort(stopped=True)``), so its
+        latencies are observed."""
+        from tinypaged.engine.output_processor import OutputProcessor
+
         req = self.engine.requests.get(request_id)
-        self.engine.abort_request([request_id])
+        self.engine.abort_requests([request_id])
         if req is None:
             return self.end(request_id, [Choice(0, "abort", None)])
-        out = self.engine.output_processor.request_output(req)
+        out = OutputProcessor.request_output(req)
         return self.end(request_id, [Choice(c.index, c.finish_reason, c.stop_reason) for c in out.outputs],
                         metrics=out.metrics if finished else None)
 
@@ -280,6 +304,8 @@ class EngineCoreProc:
         return None
 
     def step(self) -> None:
+        from tinypaged.engine.output_processor import OutputProcessor
+
         engine = self.engine
         try:
             result = engine.step()
@@ -287,8 +313,8 @@ class EngineCoreProc:
             logger.exception("engine step failed")
             why = f"{type(exc).__name__}: {exc}"
             ids = sorted(self.live)
-            engine.abort_request(ids)
-            self.send(Outputs([], [self.end(rid, [Choice(0, None, None)], why) for rid in ids]))
+            engine.abort_requests(ids)
+            self.send_outputs([], [self.end(rid, [Choice(0, None, None)], why) for rid in ids])
             return
         tokens = []
         for seq in result.sampled:
@@ -298,18 +324,21 @@ class EngineCoreProc:
             tokens.append(Token(seq.request_id, seq.index, result.new_tokens[seq.seq_id], reason,
                                 seq.stop_reason if reason is not None else None))
         finished = []
-        for out in result.finished:
-            if out.request_id not in self.live:
+        for req in result.finished:
+            if req.request_id not in self.live:
                 continue
+            out = OutputProcessor.request_output(req)  # ids, finishes and metrics; its texts stay empty
             choices = [Choice(c.index, c.finish_reason, c.stop_reason) for c in out.outputs]
             finished.append(self.end(out.request_id, choices, out.error, out.metrics))
+        stats = result.stats
         for rid, index in sorted(self.stop_later):  # samples whose group was swapped out when they were stopped
             self.stop_later.discard((rid, index))
             ended = self.stop_sample(rid, index)
             if ended is not None:
                 finished.append(ended)
-        if tokens or finished:
-            self.send(Outputs(tokens, finished))
+            stats = engine.scheduler_stats()
+        if tokens or finished or stats != self.sent_stats:
+            self.send_outputs(tokens, finished, stats)
 
 
 def _plain(value):
@@ -356,7 +385,8 @@ def main(config_json: str) -> int:
     try:
         from types import SimpleNamespace
 
-        from tinypaged.engine.llm_engine import LLMEngine
+        from tinypaged.engine.core import EngineCore
+        from tinypaged.engine.llm_engine import configure_logging
         from tinypaged.entrypoints.cli_args import attach_kv_events, engine_config
 
         config, events = engine_config(SimpleNamespace(**cfg["args"]))  # plug-ins are loaded here, by their spec
@@ -364,7 +394,8 @@ def main(config_json: str) -> int:
             from tinypaged.model.cpu_threads import ensure_cpu_threads
 
             logger.info("engine core threads: %s", ensure_cpu_threads()[0].describe())
-        engine = LLMEngine(config, detokenize=False)  # the server detokenizes and searches stop strings
+        configure_logging()
+        engine = EngineCore(config)  # no text here: the server detokenizes and searches stop strings
         attach_kv_events(engine, events)
     except BaseException as exc:  # noqa: BLE001 - a bad knob, model or plug-in: say it, then exit
         outbox.send(encoder.encode(StartupFailed(type(exc).__name__, str(exc))))
@@ -372,16 +403,17 @@ def main(config_json: str) -> int:
         outbox.close()  # lingers (2 s at most) until the message is out
         ctx.term()
         return 1
-    try:
-        engine.tokenizer  # noqa: B018 - loaded now (its EOS ids join the stop rules), not on a first request
-    except ValueError:
-        pass
+    from tinypaged.model.loader import eos_token_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(engine.config.model)  # its EOS ids join the token rules (nothing is decoded here)
+    if tokenizer is not None:
+        engine.eos_token_ids |= eos_token_ids(engine.config.model, tokenizer)
     from tinypaged.model.fused import warm_up
 
     warm_up(engine.model, engine.config.max_num_seqs)  # as vLLM's server warms its model: weights packed first
     core = EngineCoreProc(engine, inbox, outbox, cfg["parent_pid"])
-    core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs,
-                    engine.input_processor.vocab_size))
+    core.send(Ready(os.getpid(), engine.config.max_model_len, engine.config.max_num_seqs, engine.vocab_size,
+                    engine.config.parallel_sampling))
     try:
         core.run_busy_loop()
     finally:

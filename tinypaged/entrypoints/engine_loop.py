@@ -69,6 +69,7 @@ class Submission:
     arrival: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
     last_token: float | None = None
+    children: list[str] = field(default_factory=list)  # parallel_sampling="fanout": its child requests' ids
 
 
 class EngineLoop:
@@ -84,6 +85,7 @@ class EngineLoop:
         self.text = TextStream(text_of)  # text_of(seq) -> (text, sendable chars): Detokenizer.stream_text
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, Submission] = {}  # request id -> submission, touched on the loop thread only
+        self._parent: dict[str, str] = {}  # a fanned-out request's child ids (its samples' request_id) -> its id
         self._count = 0  # submitted and not yet ended (read by submit for the queue bound)
         self._count_lock = threading.Lock()
         self._ids = itertools.count()
@@ -199,6 +201,8 @@ class EngineLoop:
                 try:
                     self.engine.enqueue(req)
                     self._live[req.request_id] = sub
+                    sub.children = [child.request_id for child in req.children]
+                    self._parent.update((child, req.request_id) for child in sub.children)
                 except Exception as exc:  # e.g. an id already in use
                     self._end_count()
                     sub.deliver(Event(req.request_id, 0, "", [], True, None, error=str(exc)))
@@ -219,7 +223,8 @@ class EngineLoop:
     def _dispatch(self, result) -> None:
         now = time.perf_counter()
         for seq in result.sampled:
-            sub = self._live.get(seq.request_id)
+            rid = self._parent.get(seq.request_id, seq.request_id)  # a child's sample k is its parent's sample k
+            sub = self._live.get(rid)
             if sub is None:
                 continue
             text = self.text.piece(seq)
@@ -227,7 +232,7 @@ class EngineLoop:
                 self.observer.on_token_gap(now - sub.last_token)
             sub.first_token = sub.first_token or now
             sub.last_token = now
-            sub.deliver(Event(seq.request_id, seq.index, text, [result.new_tokens[seq.seq_id]]))
+            sub.deliver(Event(rid, seq.index, text, [result.new_tokens[seq.seq_id]]))
         for out in result.finished:
             sub = self._live.get(out.request_id)
             if sub is None:
@@ -244,6 +249,8 @@ class EngineLoop:
 
     def _end(self, request_id: str, final: Event, abort: bool) -> None:
         sub = self._live.pop(request_id)
+        for child in sub.children:
+            self._parent.pop(child, None)
         if abort:
             self.engine.abort_request([request_id])
             if self.observer is not None and hasattr(self.observer, "on_abort"):
@@ -252,6 +259,7 @@ class EngineLoop:
         sub.deliver(final)
 
     def _fail_all(self, message: str) -> None:
+        self._parent.clear()
         for rid in list(self._live):
             sub = self._live.pop(rid)
             self.engine.abort_request([rid])

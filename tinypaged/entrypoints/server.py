@@ -19,6 +19,9 @@ FastAPI routes on uvicorn's event loop. The engine runs in one of two ways (``Se
 * a bad body or parameter is a 400 in OpenAI's error shape naming the field; a request that can
   never fit is a 400; past the queue bound the answer is 503; an engine failure is a 500; unknown
   routes (404), wrong methods (405) and bodies that are not UTF-8 JSON objects get the same shape;
+* a call answers (its 200, a stream's first byte) once each of its requests has sent its first event, so a
+  request the engine core refuses after ``submit`` (its adds are fire-and-forget) is a 400 too, streamed or
+  not (``_Heard``);
 * a field tinypaged does not implement (``logprobs``, ``echo``, ``best_of``, penalties, vLLM's ``guided_*``,
   ``structured_outputs``, ``use_beam_search``, chat's ``chat_template``, ...: the
   ``UNIMPLEMENTED`` tables) is a 400 naming it when it asks for something, never silently ignored;
@@ -67,6 +70,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinypaged.entrypoints.cli_args import build_llm, check_kv_events, core_args, multiprocessing_enabled
 from tinypaged.entrypoints.core_client import CoreClient
+from tinypaged.entrypoints.engine_client import Rejection
 from tinypaged.entrypoints.engine_loop import EngineDead, EngineLoop, Event, Overloaded, ShuttingDown
 from tinypaged.sampling_params import SamplingParams
 from tinypaged.entrypoints.server_metrics import ServerMetrics
@@ -676,9 +680,57 @@ def _check_model(req, model_name: str) -> None:
                        "not_found_error")
 
 
+class _Heard:
+    """A call's events as they come (``events``: (prompt index, ``Event``) pairs, put on the event loop), and the
+    first event of each of its requests.
+
+    The call answers (a 200, a stream's first byte) only once each of its requests has sent its first event: a
+    token, its end, or a ``Rejection``. ``CoreClient``'s adds are fire-and-forget (vLLM v1's), so the engine core's
+    own checks (a prompt that can never fit in the KV cache, a priority under a non-priority policy, a plug-in's
+    rule) answer after ``submit`` returned; waiting for that first event keeps a refused request a 400 with the
+    engine's message, streaming or not, never a 200 and then an error event. ``EngineLoop`` checks inside ``submit``
+    and never rejects later; its requests are waited for the same way, which costs nothing a client sees (a stream's
+    first chunk is its first token either way). A call of more prompts than can run at once opens its stream when
+    the last of them has its first token."""
+
+    def __init__(self):
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.first: dict[int, Event] = {}
+        self.news = asyncio.Event()
+
+    def put(self, i: int, ev: Event) -> None:
+        self.events.put_nowait((i, ev))
+        if i not in self.first:
+            self.first[i] = ev
+            self.news.set()
+
+    def check(self) -> None:
+        """Raise what the engine's checks raised for a request of the call that it refused (ValueError, ...)."""
+        for ev in self.first.values():
+            if isinstance(ev, Rejection):
+                raise ev.exception()
+
+    async def accepted(self, count: int, request) -> None:
+        """Until each of the call's ``count`` requests has been heard from (``check``: a rejection raises); a client
+        that leaves meanwhile is an APIError 499 (looked at every ``DISCONNECT_CHECK_S``)."""
+        next_look = time.monotonic() + DISCONNECT_CHECK_S
+        while True:
+            self.check()
+            if len(self.first) >= count:
+                return
+            self.news.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.news.wait(), timeout=DISCONNECT_CHECK_S)
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + DISCONNECT_CHECK_S
+                if await request.is_disconnected():
+                    raise APIError(499, "client disconnected")
+
+
 async def _serve(server: Server, request, req: _Sampling, prompts: list, params: SamplingParams, chat: bool):
     aio = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
+    heard = _Heard()
+    events = heard.events
     kind = "chatcmpl" if chat else "cmpl"
     call_id = server.loop.next_id(kind)
     subs = []
@@ -687,7 +739,7 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
         next_look = time.monotonic() + DISCONNECT_CHECK_S
         for i, prompt in enumerate(prompts):
             rid = f"{call_id}-{i}"
-            deliver = (lambda ev, i=i: aio.call_soon_threadsafe(events.put_nowait, (i, ev)))
+            deliver = (lambda ev, i=i: aio.call_soon_threadsafe(heard.put, i, ev))
             submitting = asyncio.ensure_future(asyncio.to_thread(
                 lambda rid=rid, prompt=prompt, deliver=deliver:
                     server.loop.submit(rid, server.engine_prompt(rid, prompt), params, deliver,
@@ -699,10 +751,12 @@ async def _serve(server: Server, request, req: _Sampling, prompts: list, params:
                     lambda t: t.cancelled() or t.exception() is not None or server.loop.abort(t.result().request_id))
                 raise
             subs.append(sub)
+            heard.check()  # a prompt the engine has refused already: the rest are not submitted
             if len(prompts) > 1 and time.monotonic() >= next_look:  # a client that left stops the rest at once
                 next_look = time.monotonic() + DISCONNECT_CHECK_S
                 if await request.is_disconnected():
                     raise APIError(499, "client disconnected")
+        await heard.accepted(len(subs), request)  # a refusal is a 400 before any answer (_Heard)
         ok = True
     except (ValueError, TypeError, NotImplementedError, OverflowError) as exc:
         raise APIError(400, str(exc), _param_of(str(exc), "messages" if chat else "prompt")) from None

@@ -1,8 +1,11 @@
 """The server's Prometheus metrics, under vLLM's names where vLLM has them (``vllm:...``).
 
 Built on ``prometheus_client`` with a registry per server (tests start several). Counters and
-histograms move at the event, on the engine's loop thread; the gauges and the prefix-cache counters
-are read from the engine at scrape time, between two steps, so a step never pays for them.
+histograms move at the event, on the engine's loop thread. The gauges and the prefix-cache and preemption
+counters are the engine's scheduler stats: with the engine core in its own process, the latest that came with
+its outputs (``CoreClient.stats``: every output batch carries them, as vLLM's front end records its
+``SchedulerStats``), so a scrape sends nothing to the core; in-process (``EngineLoop``), read from the engine at
+scrape time, between two steps. Either way a step never pays for them.
 
 | name | kind | meaning |
 |---|---|---|
@@ -27,13 +30,18 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 
 class _EngineState:
-    """Collects the scrape-time figures from the engine between two steps (``loop.engine_metrics()``)."""
+    """Collects the scrape-time figures: the client's latest scheduler stats (``loop.stats``, where it keeps them),
+    else the engine's, read between two steps (``loop.engine_metrics()``)."""
 
     def __init__(self, loop, model_name: str):
         self.loop, self.labels = loop, {"model_name": model_name}
 
     def collect(self):
-        m = self.loop.engine_metrics()  # EngineLoop: on its thread; CoreClient: a message to the core
+        m = getattr(self.loop, "stats", None)  # CoreClient: from the core's latest outputs
+        if m is None:  # EngineLoop (on its thread), or a core that has sent no output yet (a message to it)
+            m = self.loop.engine_metrics()
+        else:  # get_metrics counts swapped-out sequences as waiting; the stats keep them apart
+            m = {**m, "num_waiting": m["num_waiting"] + m.get("num_swapped", 0)}
         names = ["model_name"]
         for name, doc, value in (("vllm:num_requests_running", "Sequences running.", m["num_running"]),
                                  ("vllm:num_requests_waiting", "Sequences waiting.", m["num_waiting"]),

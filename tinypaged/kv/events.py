@@ -1,7 +1,7 @@
 """The prefix cache's own event list (vLLM v1's ``BlockPool`` keeps one the same way): which blocks' hashes
 entered the cache and which left it, as plain records. The KV manager fills it only when asked
 (``enable_kv_cache_events``); the engine drains it once per step (``take_events``), and the server turns the
-records into vLLM's wire format (``tinypaged/entrypoints/kv_events.py``).
+records into vLLM's wire format (``tinypaged/engine/kv_events.py``).
 
 ``PrefixCache`` (``kv/block_pool.py``) is stage 3's graded class, so it records nothing itself: the manager
 registers blocks (``BlockStored`` comes from there, where the tokens are known), and the one place a cached

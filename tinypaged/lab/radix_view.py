@@ -125,6 +125,25 @@ def tree_lines(snap: Snapshot, width: int = 8, decode=None) -> list[str]:
 TREE_CALLS = ("match_prefix", "insert", "evict", "inc_lock_ref", "dec_lock_ref")
 
 
+class CountedTree:
+    """The tree the KV manager is given in ``serve_with_tree``: ``tree`` itself, the calls to its ``TREE_CALLS``
+    counted into ``calls`` (a ``Counter``) on the way (composition: ``tree`` is left as it is)."""
+
+    def __init__(self, tree, calls):
+        self._tree, self._calls = tree, calls
+
+    def __getattr__(self, name):
+        value = getattr(self._tree, name)
+        if name not in TREE_CALLS:
+            return value
+
+        def counted(*args, **kwargs):
+            self._calls[name] += 1
+            return value(*args, **kwargs)
+
+        return counted
+
+
 @dataclass
 class ServedRun:
     """One engine run on a radix tree: what each request found cached and the tree afterwards."""
@@ -152,13 +171,8 @@ def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str =
 
     def tree_factory():
         tree = make_tree()
-        for name in TREE_CALLS:  # count the calls into the tree's own methods
-            def counted(*a, _f=getattr(tree, name), _name=name, **k):
-                calls[_name] += 1
-                return _f(*a, **k)
-            setattr(tree, name, counted)
         trees.append(tree)
-        return tree
+        return CountedTree(tree, calls)
 
     llm = LLM(model, kv_cache_manager=RadixKVManager.factory(page_size=page_size, tree_factory=tree_factory),
               scheduler_cls=CacheAwareOrder(order), **engine_kwargs)

@@ -25,7 +25,6 @@ Per-request metrics (the names vLLM's benchmarks use):
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -240,24 +239,16 @@ def quiet(level=logging.ERROR):
         log.setLevel(old)
 
 
-_cached_loaders: dict = {}
-
-
 @contextlib.contextmanager
 def shared_weights():
     """Engines built inside share the weights of the same (model, dtype, device, seed): weights are
     read-only at inference, so a sweep over knobs need not reload the model for every setting.
-    The two most recently used models stay loaded for the next sweep."""
-    import tinypaged.engine.llm_engine as llm_engine
+    The two most recently used models stay loaded for the next sweep (the loader's own cache:
+    ``tinypaged.model.loader.shared_weights``)."""
+    from tinypaged.model import loader
 
-    original = llm_engine.load_model
-    if original not in _cached_loaders:
-        _cached_loaders[original] = functools.lru_cache(maxsize=2)(original)
-    llm_engine.load_model = _cached_loaders[original]
-    try:
+    with loader.shared_weights():
         yield
-    finally:
-        llm_engine.load_model = original
 
 
 def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None = None,
@@ -284,7 +275,7 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
     requests: list[RequestRecord] = []
     steps: list[StepRecord] = []
     preemptions = 0
-    run = engine.run_until_done(list(info), wait_until=_wait_until)  # the engine's one loop; waits are spun
+    run = engine.run_until_done(list(info), spin_wait=SPIN)  # the engine's one loop; the last 2 ms of a wait spun
     while True:
         idle = engine.counters["num_idle_slot_steps"]  # static batching: finished members' rows
         t0 = engine.clock()
@@ -309,7 +300,10 @@ def replay(llm, trace: list[TraceRequest], system: str = "", rate: float | None 
     return ServingRun(system, rate, requests, steps, engine.config.max_num_seqs, preemptions)
 
 
-def _wait_until(clock, t: float, spin: float = 0.002) -> None:
+SPIN = 0.002  # seconds of a wait for an arrival spun rather than slept
+
+
+def _wait_until(clock, t: float, spin: float = SPIN) -> None:
     """Sleep until ``t`` on ``clock``, waking early and spinning the last ``spin`` seconds: a sleep
     can overshoot by a millisecond or more, which a server woken by its socket would not add."""
     delay = t - clock()

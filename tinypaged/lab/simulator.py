@@ -51,7 +51,6 @@ class ModelFreeEngine:
         from tinypaged.interfaces import KVCacheSpec
         from tinypaged.kv.managers import build_kv_manager
         from tinypaged.kv.sizing import size_kv_cache
-        from tinypaged.sampling.sampler import check_stop
         from tinypaged.sched.scheduler import Scheduler, make_policy
 
         config.finalize(config.max_model_len or 2048)
@@ -64,8 +63,7 @@ class ModelFreeEngine:
                            config.reservation_policy)
         self.kv = build_kv_manager(config, spec)
         self.now = 0.0
-        self.scheduler = Scheduler(config, self.kv, make_policy(config), clock=lambda: self.now, runner_batch=False)
-        self._stop = lambda seq: check_stop(seq, (), config.max_model_len)  # output lengths are forced: no text
+        self.scheduler = Scheduler(config, self.kv, make_policy(config), runner_batch=False)
         self._out = None
 
     def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
@@ -88,7 +86,7 @@ class ModelFreeEngine:
     def schedule(self, now: float) -> tuple[list[tuple], int]:
         """(batch, batch slots: the scheduled sequences plus a static batch's idle members)."""
         self.now = now
-        self._out = out = self.scheduler.schedule()
+        self._out = out = self.scheduler.schedule(now)
         batch = [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.is_prefill) for s in out.scheduled]
         return batch, len(batch) + out.num_idle_slots
 
@@ -97,8 +95,9 @@ class ModelFreeEngine:
         out, self._out = self._out, None
         self.scheduler.advance(out)
         sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens == len(s.seq)]
+        # no EOS ids: output lengths are forced (ignore_eos), so only length ends a sequence
         return self.scheduler.update_from_output(sampling, [self.DUMMY_TOKEN] * len(sampling), [0.0] * len(sampling),
-                                                 now, self._stop)
+                                                 now)
 
     @property
     def num_preemptions(self) -> int:

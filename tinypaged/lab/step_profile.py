@@ -1,18 +1,21 @@
 """Where an engine step's time goes on a CPU: projections, attention, norms/RoPE, sampling, host.
 
 Explicit wall-clock timers (``time.perf_counter``), no profiler: on a CPU a torch call returns when its
-work is done, so a timer around a call measures that call. :class:`StepTimers` wraps
+work is done, so a timer around a call measures that call. :class:`StepTimers` times, through forward hooks
+(``register_forward_pre_hook`` / ``register_forward_hook``) on the model's own modules,
 
-* ``torch.nn.functional.linear``, ``FusedLinear`` calls and the model's ``Linear`` layers: every projection (fused
-  or not) and the vocabulary projection;
-* ``ForwardContext.attend``: each layer's KV cache write plus its decode and prefill attention;
-* the model's ``forward``; what of it is neither a projection nor attention is embeddings, RMSNorm,
+* every ``nn.Linear`` and ``FusedLinear``: each projection (fused or not) and the vocabulary projection;
+* every ``Attend`` (a layer's ``ctx.attend``): its KV cache write plus its decode and prefill attention;
+* the model itself; what of its forward is neither a projection nor attention is embeddings, RMSNorm,
   RoPE, SiLU, residual adds and the Python between them ("norms/RoPE/act");
-* the engine's ``sample`` and ``LLMEngine.step``; what of a step is neither the forward nor sampling is
-  "host": scheduling, building the step's input tensors, output processing.
 
-A wrapper costs about a microsecond a call (a few hundred calls a step, against steps of tens of ms).
-Invariant: the wrappers are in place only inside :meth:`StepTimers.around`, for one engine.
+and reads the rest from each step's ``StepResult.timings`` (the engine's phases: schedule, execute, sample,
+update): "sampling" is the sample phase; what of a step is neither the forward nor sampling is "host":
+scheduling, building the step's input tensors, output processing.
+
+A pair of hooks costs a few microseconds a call (about 150 calls a SmolLM2 step, against steps of tens of ms);
+what it costs outside the timed call counts as norms/RoPE/act.
+Invariant: the hooks are on the model only inside :meth:`StepTimers.around`.
 """
 
 from __future__ import annotations
@@ -21,51 +24,54 @@ import contextlib
 import time
 from collections import defaultdict
 
-import torch.nn.functional as F
+from torch import nn
 
-import tinypaged.engine.llm_engine as llm_engine
-from tinypaged.attention.backends import ForwardContext
 from tinypaged.model.fused import FusedLinear
-from tinypaged.model.llama import Linear
+from tinypaged.model.llama import Attend
 
 CATEGORIES = ("projections", "attention", "norms/RoPE/act", "sampling", "host")
 
 
 class StepTimers:
-    """Seconds spent per timed call while active (projections and attention lie inside the forward)."""
+    """Seconds per timed module kind while the hooks are on, and per step phase of the steps seen."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
-        self.running = set()
+        self.started = {}
 
-    def timed(self, key, fn):
-        def wrapper(*args, **kwargs):
-            if key in self.running:  # a FusedLinear falling back on F.linear counts once
-                return fn(*args, **kwargs)
-            self.running.add(key)
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds[key] += time.perf_counter() - t0
-                self.running.discard(key)
-        return wrapper
+    def _start(self, key):
+        def pre_hook(module, args):
+            self.started[key] = time.perf_counter()
+        return pre_hook
+
+    def _stop(self, key):
+        def hook(module, args, output):
+            self.seconds[key] += time.perf_counter() - self.started.pop(key)
+        return hook
 
     @contextlib.contextmanager
-    def around(self, engine):
-        saved = F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, llm_engine.sample
-        F.linear = self.timed("linear", F.linear)
-        FusedLinear.__call__ = self.timed("linear", FusedLinear.__call__)
-        Linear.forward = self.timed("linear", Linear.forward)
-        ForwardContext.attend = self.timed("attend", ForwardContext.attend)
-        llm_engine.sample = self.timed("sample", llm_engine.sample)
-        engine.model.forward = self.timed("forward", engine.model.forward)
-        engine.step = self.timed("step", engine.step)
+    def around(self, model):
+        """Hooks on ``model`` (the engine's ``CausalLM``) and its projections and attention calls, removed after."""
+        kinds = [(model, "forward")]
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, FusedLinear)):
+                kinds.append((module, "linear"))
+            elif isinstance(module, Attend):
+                kinds.append((module, "attend"))
+        handles = []
         try:
+            for module, key in kinds:
+                handles += [module.register_forward_pre_hook(self._start(key)),
+                            module.register_forward_hook(self._stop(key))]
             yield self
         finally:
-            F.linear, FusedLinear.__call__, Linear.forward, ForwardContext.attend, llm_engine.sample = saved
-            del engine.model.forward, engine.step  # back to the class's methods
+            for handle in handles:
+                handle.remove()
+
+    def on_step(self, result) -> None:
+        """Add one ``StepResult``'s phase times."""
+        self.seconds["step"] += sum(result.timings.values())
+        self.seconds["sample"] += result.timings["sample"]
 
     def split(self) -> dict:
         """Seconds per category (``CATEGORIES``) and in all (``"total"``)."""
@@ -77,10 +83,13 @@ class StepTimers:
 
 def profile_generate(llm, prompts, params) -> dict:
     """Run ``llm.generate(prompts, params)`` under the timers: seconds per category, steps, outputs."""
-    engine = llm.llm_engine
-    before = llm.get_metrics()["num_steps"]
-    with StepTimers().around(engine) as timers:
-        outputs = llm.generate(prompts, params)
-    steps = llm.get_metrics()["num_steps"] - before
-    decode_only = sum(1 for h in list(engine.history)[-steps:] if h["num_prefill_tokens"] == 0)
-    return dict(timers.split(), steps=steps, decode_only=decode_only, outputs=outputs)
+    timers, ran = StepTimers(), []
+
+    def on_step(result):
+        timers.on_step(result)
+        if result.scheduled:
+            ran.append(all(not s.is_prefill for s in result.scheduled))
+
+    with timers.around(llm.llm_engine.model):
+        outputs = llm.generate(prompts, params, on_step=on_step)
+    return dict(timers.split(), steps=len(ran), decode_only=sum(ran), outputs=outputs)

@@ -29,16 +29,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class FusedLinear:
+class FusedLinear(nn.Module):
     """One or more ``nn.Linear`` layers over one input, as one GEMM on their weights stacked by output row.
 
     Invariant: each layer's weight (and bias) is a view into the stacked tensor, so loading a
     ``state_dict`` into the layers, or reading ``q_proj.weight``, sees the very numbers the GEMM uses.
-    Not an ``nn.Module``, so the model's ``state_dict`` keeps Hugging Face's names. Fuse after the model
-    has its final device and dtype (``.to()`` copies each parameter on its own, ending the views).
+    A module (hooks see its calls) without parameters or buffers: the stacked tensors are plain attributes,
+    so the model's ``state_dict`` keeps Hugging Face's names. Fuse after the model has its final device and
+    dtype (``.to()`` copies each parameter on its own, ending the views).
     """
 
     def __init__(self, layers: list[nn.Linear]):
+        super().__init__()
         has_bias = layers[0].bias is not None
         self.weight = torch.cat([layer.weight.detach() for layer in layers])
         self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
@@ -51,7 +53,7 @@ class FusedLinear:
                 layer.bias = nn.Parameter(self.bias[start:start + size], requires_grad=False)
             start += size
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.packed)
 
 

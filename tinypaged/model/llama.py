@@ -121,6 +121,18 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
+class Attend(nn.Module):
+    """A layer's one call into the step's attention, ``ctx.attend`` (vLLM's ``Attention`` layer, which its models
+    call the same way), as a module without parameters: hooks see it (``tinypaged.lab.step_profile`` times it)."""
+
+    def __init__(self, layer_idx: int, scale: float):
+        super().__init__()
+        self.layer_idx, self.scale = layer_idx, scale
+
+    def forward(self, q, k, v, ctx) -> torch.Tensor:
+        return ctx.attend(self.layer_idx, q, k, v, self.scale)  # writes k, v into the cache, then attends
+
+
 class Attention(nn.Module):
     def __init__(self, hf_config, layer_idx: int):
         super().__init__()
@@ -135,6 +147,7 @@ class Attention(nn.Module):
         self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=getattr(hf_config, "attention_bias", False))
         self.scale = self.head_dim**-0.5
+        self.attn = Attend(layer_idx, self.scale)
         self.qkv_proj = None  # once fused (the engine does it: fused.fuse_projections): one GEMM over [q; k; v]
 
     def forward(self, x, cos, signed_sin, ctx) -> torch.Tensor:
@@ -146,7 +159,7 @@ class Attention(nn.Module):
         qkv = qkv.view(n, h + 2 * kvh, d)
         rotate_(qkv, h + kvh, cos, signed_sin)  # RoPE on the query and key heads, in place
         q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
-        out = ctx.attend(self.layer_idx, q, k, v, self.scale)  # writes k, v into the cache, then attends
+        out = self.attn(q, k, v, ctx)  # writes k, v into the cache, then attends
         return self.o_proj(out.reshape(n, h * d))
 
 

@@ -402,8 +402,40 @@ def load_config(folder: Path):
     return AutoConfig.from_pretrained(folder)
 
 
+# -- sharing loaded weights (opt in: ``shared_weights``) -----------------------------------------------------
+SHARED_MODELS = 2  # models kept loaded between shared_weights() blocks, the most recently used
+_shared: dict[tuple, CausalLM] = {}  # (model, dtype, device, seed) -> the model, least recently used first
+_sharing = 0  # shared_weights() blocks open
+
+
+@contextlib.contextmanager
+def shared_weights():
+    """Inside, ``load_model`` hands every engine built there the one ``CausalLM`` of its (model, dtype, device,
+    seed): the same module and weights, read-only at inference, so a sweep over engine knobs loads a model once.
+    The ``SHARED_MODELS`` most recently used stay loaded for the next block; outside any block every load is fresh.
+    Shared, not copied: whoever changes one engine's weights changes them for all."""
+    global _sharing
+    _sharing += 1
+    try:
+        yield
+    finally:
+        _sharing -= 1
+
+
 def load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> CausalLM:
-    """Build tinypaged's own ``CausalLM`` and fill it with the named weights."""
+    """Build tinypaged's own ``CausalLM`` and fill it with the named weights (inside ``shared_weights``: the
+    one already built for the same arguments)."""
+    if not _sharing:
+        return _load_model(model, dtype, device, seed)
+    key = (model, dtype, torch.device(device), seed)
+    found = _shared.pop(key, None)
+    _shared[key] = found if found is not None else _load_model(model, dtype, device, seed)  # now the most recent
+    while len(_shared) > SHARED_MODELS:
+        del _shared[next(iter(_shared))]
+    return _shared[key]
+
+
+def _load_model(model: str, dtype: torch.dtype, device: torch.device, seed: int) -> CausalLM:
     if model == TINY:
         return _load_tiny(seed).to(device=device, dtype=dtype).eval()
     folder = resolve_model_folder(model)

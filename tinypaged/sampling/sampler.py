@@ -15,6 +15,14 @@ import torch
 from tinypaged.sequence import FinishReason
 
 
+def sample_generator(seed: int | None, index: int) -> torch.Generator | None:
+    """The generator of sample ``index`` of a seeded request: seed + index (vLLM v1's child seeds),
+    wrapped into torch's 64-bit seed range so a seed near the top cannot overflow mid-batch."""
+    if seed is None:
+        return None
+    return torch.Generator().manual_seed((seed + index) % 2**64)
+
+
 def suppress_early_stops(logits: torch.Tensor, seqs, eos_token_ids) -> torch.Tensor:
     """-inf on EOS and stop token ids for every sequence still short of its ``min_tokens``, in a copy: the
     caller's logits (the model's output) stay as they were."""

@@ -26,6 +26,7 @@ from tinypaged.sched.output import SchedulerOutput
 from tinypaged.sched.policies import PlanPolicy, PriorityOrder, StaticBatching, schedule_step
 from tinypaged.sched.preemption import preempt, recompute_stuck_swapped
 from tinypaged.sched.radix_policy import CacheAwareOrder
+from tinypaged.sampling.sampler import check_stop, sample_generator
 from tinypaged.sched.step_adapter import StepKV
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -43,14 +44,13 @@ class Scheduler:
     ``preemption``).
     """
 
-    def __init__(self, config, kv_manager, policy, clock=lambda: float("inf"),
-                 check_invariants: bool = False, runner_batch: bool = True):
+    def __init__(self, config, kv_manager, policy, check_invariants: bool = False, runner_batch: bool = True):
         self.config = config
         self.check_invariants = check_invariants  # check_no_overwrite each step (on for plug-ins)
         self.runner_batch = runner_batch  # make the runner's data (off in the lab's simulator: no model)
         self.kv = kv_manager
         self.policy = policy
-        self.clock = clock
+        self.now = float("inf")  # the step's time, given to schedule() (data: the scheduler calls nobody for it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: deque[list[Sequence]] = deque()  # groups of siblings swapped out together (v0)
@@ -68,13 +68,14 @@ class Scheduler:
         return len(self.running) + sum(s.pending_forks for s in self.running)
 
     def arrived(self, seq: Sequence) -> bool:
-        return seq.times.arrival <= self.clock()
+        return seq.times.arrival <= self.now
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step: a plan policy's plan applied by the adapter (or a policy object's own output),
-        checked, then given the runner's data (``out.batch``)."""
+    def schedule(self, now: float = float("inf")) -> SchedulerOutput:
+        """The next step at time ``now`` (the engine's clock; requests that arrive later wait; the default: all
+        have arrived): a plan policy's plan applied by the adapter (or a policy object's own output), checked,
+        then given the runner's data (``out.batch``)."""
+        self.now = now
         recompute_stuck_swapped(self)
-        # read before the policy runs: a request arriving while it runs was not there to be scheduled
         head_arrived = bool(self.waiting) and self.arrived(self.waiting[0])
         policy = self.policy
         if hasattr(policy, "plan"):  # it decides, the adapter applies: nobody calls back
@@ -131,7 +132,7 @@ class Scheduler:
     def start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
         if seq.times.first_scheduled is None:
-            seq.times.first_scheduled = self.clock()
+            seq.times.first_scheduled = self.now
         self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> list[Sequence]:
@@ -151,36 +152,36 @@ class Scheduler:
         self.running.append(child)
         return child
 
-    def expand_forks(self, sampling, generator_for) -> tuple[list[int], list[Sequence]]:
+    def expand_forks(self, sampling) -> tuple[list[int], list[Sequence]]:
         """parallel_sampling="fork" (paper, v0): a sequence with forks to come makes them at its first
         sample; the children share its blocks and sample from its logits row. Returns each sampling
-        sequence's row and the sequences (children after their parent); ``generator_for(parent, k)``
-        seeds child ``k``."""
+        sequence's row and the sequences (children after their parent); child ``k`` is seeded seed + k
+        (``sample_generator``), as a fanned-out sample ``k`` is."""
         rows, seqs = [], []
         for i, seq in enumerate(sampling):
             rows.append(i)
             seqs.append(seq)
             for k in range(1, seq.pending_forks + 1):
                 rows.append(i)
-                seqs.append(self.fork(seq, k, generator_for(seq, k)))
+                seqs.append(self.fork(seq, k, sample_generator(seq.params.seed, k)))
             seq.pending_forks = 0  # no forks to come: they stop counting against max_num_seqs
         return rows, seqs
 
     def append_tokens(self, seqs, tokens, logprobs, now: float | None = None) -> None:
         """Each sequence gets its next token (sampled, or chosen by beam search) and its log-probability."""
-        now = self.clock() if now is None else now
+        now = self.now if now is None else now
         for seq, tok, lp in zip(seqs, tokens, logprobs):
             seq.append_token(tok, lp, now)
 
-    def update_from_output(self, seqs, tokens, logprobs, now: float, check_stop) -> list[Sequence]:
-        """Append each sampled token; finish (and free) the sequences a token rule ends. ``check_stop(seq)`` is
-        the token rules alone (``sampler.check_stop`` bound to the EOS ids and ``max_model_len``: a verdict
-        ``(finish_reason, stop_reason)`` or None; it reads the sequence and writes nothing). Stop strings are text:
-        the output processor searches them after the step and ends a sequence through ``finish_by_stop_string``."""
+    def update_from_output(self, seqs, tokens, logprobs, now: float, eos_token_ids=()) -> list[Sequence]:
+        """Append each sampled token; finish (and free) the sequences a token rule ends: ``sampler.check_stop``
+        with the model's ``eos_token_ids`` and ``max_model_len`` (EOS and stop token ids, then length). Stop strings
+        are text: the output processor searches them after the step and ends a sequence through
+        ``finish_by_stop_string``."""
         self.append_tokens(seqs, tokens, logprobs, now)
         done = []
         for seq in seqs:
-            verdict = check_stop(seq)
+            verdict = check_stop(seq, eos_token_ids, self.config.max_model_len)
             if verdict is not None:
                 self.finish(seq, *verdict, now=now)
                 done.append(seq)
@@ -202,7 +203,7 @@ class Scheduler:
             raise TypeError(f"a finish reason is a FinishReason (one enum everywhere), got {reason!r}")
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.status = SequenceStatus.FINISHED
-        seq.times.finished = self.clock() if now is None else now
+        seq.times.finished = self.now if now is None else now
         if seq in self.running:
             self.running.remove(seq)
         self.kv.free(seq)

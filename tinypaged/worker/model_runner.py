@@ -98,7 +98,9 @@ class ModelRunner:
             lens = [c.context_len for c in decodes]
             ctx.decode = DecodeBatch(torch.tensor(decode_rows, device=dev), torch.tensor(lens, device=dev),
                                      self.block_size)
-            if self.backend.uses_block_tables:
+            # a backend that takes_block_tables (SDPABackend) gets them where the slots would be made from them
+            if self.backend.uses_block_tables or (getattr(self.backend, "takes_block_tables", False)
+                                                  and any(c.context_slots is None for c in decodes)):
                 ctx.decode.block_tables = self.block_tables(decodes, max(lens))
             else:
                 ctx.decode.context_slots = self.context_slots(decodes, max(lens))

@@ -50,19 +50,40 @@ def check_plugins(impl, adapters: tuple[str, ...] = ()) -> None:
                              "not built in your notebook")
 
 
-def _counting(obj, key: str, counts: dict):
-    """Count calls to ``obj``'s public methods (an instance) into ``counts[key]``; returns ``obj``."""
-    for name, attr in inspect.getmembers(type(obj)):
-        if name.startswith("_") or not isinstance(inspect.getattr_static(type(obj), name), types.FunctionType):
-            continue
-        bound = getattr(obj, name)
+class _Counted:
+    """``obj`` as the engine sees it in a serving check: each call to one of its public methods (a function its
+    class defines) adds one to ``counts[key]``; every other attribute, read or written, is ``obj``'s own. ``obj``
+    itself is left as it is (composition)."""
 
-        def call(*a, _f=bound, **k):
+    def __init__(self, obj, key: str, counts: dict):
+        object.__setattr__(self, "_counted", (obj, key, counts))
+
+    def __getattr__(self, name):
+        obj, key, counts = self._counted
+        value = getattr(obj, name)
+        if name.startswith("_") or not isinstance(inspect.getattr_static(type(obj), name, None), types.FunctionType):
+            return value
+
+        @functools.wraps(value)
+        def call(*a, **k):
             counts[key] += 1
-            return _f(*a, **k)
+            return value(*a, **k)
 
-        setattr(obj, name, call)
-    return obj
+        return call
+
+    def __setattr__(self, name, value):
+        setattr(self._counted[0], name, value)
+
+    def __repr__(self):
+        return repr(self._counted[0])
+
+
+def _counting(obj, key: str, counts: dict):
+    """``obj`` (an instance) counting the calls to its public methods into ``counts[key]``: a ``_Counted`` under
+    the name of ``obj``'s class, so the engine's messages name the learner's class as before."""
+    cls = type(obj)
+    named = type(cls.__name__, (_Counted,), {"__qualname__": cls.__qualname__})
+    return named(obj, key, counts)
 
 
 def counted_plugins(impl: dict) -> tuple[dict, dict]:

@@ -10,8 +10,8 @@
 * ``serve_sse``: the same function behind the real server (``create_app(..., stream=sse_stream)``) on the ``tiny``
   model, on 127.0.0.1: two streamed completions must carry the offline engine's greedy tokens, end with
   ``data: [DONE]`` after the usage chunk, and a client that hangs up mid-stream must get its request aborted (the
-  engine's ``abort_request``, once; its steps are slowed so that the request cannot finish first) and its KV blocks
-  back (``/metrics``).
+  engine's count of aborted requests goes up by one; the server's engine steps are slowed so that the request
+  cannot finish first) and its KV blocks back (``/metrics``).
 
 The reference is the package's own :func:`tinypaged.entrypoints.streaming.sse_stream`, which the server runs by
 default.
@@ -241,6 +241,28 @@ def _metric(text: str, name: str, label: str = "") -> float:
     return total
 
 
+class _SlowedEngine:
+    """An engine whose ``step`` first sleeps ``delay`` seconds (0: not at all); everything else is the engine's own."""
+
+    def __init__(self, engine):
+        self.engine, self.delay = engine, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def step(self, *args, **kwargs):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.engine.step(*args, **kwargs)
+
+
+class _Slowed:
+    """What the check's server serves: ``llm`` (``create_app`` reads its ``llm_engine``) with slowable steps."""
+
+    def __init__(self, llm):
+        self.llm_engine = _SlowedEngine(llm.llm_engine)
+
+
 def _serve_run(impl, t):
     import httpx
 
@@ -252,22 +274,8 @@ def _serve_run(impl, t):
     if not inspect.isasyncgenfunction(impl):
         _stream_of(impl, None, None, False)  # not written yet, or not an async generator: say so before serving
     llm = LLM("tiny", **TINY)
-    step, slow = llm.llm_engine.step, {"on": False}
-
-    def step_maybe_slowly(*a, **k):
-        if slow["on"]:
-            time.sleep(STEP_DELAY)
-        return step(*a, **k)
-
-    llm.llm_engine.step = step_maybe_slowly
-    abort_request, aborts = llm.llm_engine.abort_request, []
-
-    def counted_abort(ids):
-        aborts.extend(ids)
-        return abort_request(ids)
-
-    llm.llm_engine.abort_request = counted_abort
-    srv = ServerThread(create_app(llm, "tiny", stream=impl))
+    served = _Slowed(llm)
+    srv = ServerThread(create_app(served, "tiny", stream=impl))
     try:
         body = {"model": "tiny", "prompt": [list(p) for p in PROMPTS], "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
@@ -292,8 +300,8 @@ def _serve_run(impl, t):
         t(SERVE_STEPS[2], (usage or {}).get("completion_tokens"))
         t(SERVE_STEPS[3], well_formed)
 
-        slow["on"] = True
-        aborts.clear()
+        served.llm_engine.delay = STEP_DELAY
+        aborts_before = llm.llm_engine.counters["num_requests_aborted"]
         with httpx.stream("POST", srv.url + "/v1/completions", timeout=120,
                           json={"model": "tiny", "prompt": list(PROMPTS[1]), "max_tokens": LONG, "temperature": 0,
                                 "ignore_eos": True, "stream": True}) as r:
@@ -306,7 +314,7 @@ def _serve_run(impl, t):
             if _metric(text, "vllm:num_requests_running") == 0:
                 break
             time.sleep(0.05)
-        aborted = len(aborts)
+        aborted = llm.llm_engine.counters["num_requests_aborted"] - aborts_before
         t(SERVE_STEPS[4], first is not None and aborted == 1)
         left = [int(_metric(text, "vllm:num_requests_running")), round(100 * _metric(text, "vllm:kv_cache_usage_perc"))]
         t(SERVE_STEPS[5], left)
@@ -316,7 +324,7 @@ def _serve_run(impl, t):
             print(f"a client hung up after its first event: running while it streamed {running_while_streaming}, "
                   f"aborted {int(aborted)}, running after {left[0]}, KV cache usage after {left[1]}%")
     finally:
-        slow["on"] = False
+        served.llm_engine.delay = 0.0
         srv.close()
 
 
