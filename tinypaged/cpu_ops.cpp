@@ -25,11 +25,13 @@ namespace {
 // exp(x) for float32, branch-free so that loops over it vectorise (given -fno-trapping-math: cpu_native.FLAGS):
 // x = n ln2 + f ln2 with n = round(x log2 e) and |f| <= 1/2, then 2^f by its Taylor series to the 7th power
 // (relative error below 2e-7) and 2^n in the exponent bits. Inputs below -87 give about 1e-38 (not 0): callers
-// never feed -inf.
+// never feed -inf. n is rounded to nearest by adding and subtracting 1.5 * 2^23 (exact for |t| < 2^22): plain
+// arithmetic, whatever the rounding mode.
 inline float fast_exp(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const float n = (t + kRound) - kRound;
   const float f = t - n;
   float p = 1.5252733804059840e-5f;
   p = p * f + 1.5403530393381609e-4f;
@@ -146,8 +148,13 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const float* gi = g + i * stride;
       const float* ui = gi + inter;
       float* oi = o + i * inter;
+      // two passes: exp(-gate) into the output, then gate * up / (1 + it). GCC's vectorised one-pass loop (the
+      // division by 1 + fast_exp) ran at scalar speed or worse (about 12x slower, raising underflow), measured
+      // on this project's Xeon; two passes vectorise cleanly
 #pragma omp simd
-      for (int64_t d = 0; d < inter; ++d) oi[d] = gi[d] / (1.0f + fast_exp(-gi[d])) * ui[d];
+      for (int64_t d = 0; d < inter; ++d) oi[d] = fast_exp(-gi[d]);
+#pragma omp simd
+      for (int64_t d = 0; d < inter; ++d) oi[d] = gi[d] * ui[d] / (1.0f + oi[d]);
     }
   });
   return out;
