@@ -241,12 +241,14 @@ def test_the_engine_gives_the_same_tokens_with_and_without_them(ops, monkeypatch
 
 def test_no_cpp_operator_takes_the_whole_model():
     """One model forward (issue #46): the C++ file exports leaf operators, each called behind a seam (a norm, RoPE,
-    the MLP's activation, the attention backend), never a function that runs every layer (takes lists of weights)."""
+    the MLP's activation, the attention backend's write and decode), never a function that runs every layer (takes
+    lists of weights)."""
     import re
 
     source = cpu_native.SOURCE.read_text()
     schemas = re.findall(r'm\.def\("([^(]+)\(((?:[^"]|"\s*")*)\)', source)
-    assert sorted(name for name, _ in schemas) == ["add_rms_norm", "decode_attention", "rope_", "silu_mul"], schemas
+    assert sorted(name for name, _ in schemas) == ["add_rms_norm", "decode_attention", "rope_", "silu_mul", "write_kv"], \
+        schemas
     for name, args in schemas:
         assert "[]" not in args, f"{name} takes a list of tensors: {args}"
     assert "TensorList" not in source and "layers" not in re.sub(r"//[^\n]*", "", source)
@@ -289,3 +291,23 @@ def test_a_failed_build_leaves_nothing_and_says_why(monkeypatch, tmp_path):
     left = [p.name for p in (tmp_path / "cache").iterdir()]
     assert all(name.endswith(".lock") for name in left), left  # no half-built folder
     shutil.rmtree(tmp_path / "cache")
+
+
+def test_write_kv_puts_each_row_in_its_slot_and_refuses_a_slot_outside_first():
+    """``write_kv`` equals two ``index_copy_`` calls, from views into a fused qkv output; a slot outside the cache is
+    an error naming it, and nothing is written."""
+    native = cpu_native.usable(torch.zeros(1))
+    if native is None:
+        pytest.skip("the C++ operators are not built here")
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, (9 + 2 * 3) * 8, generator=g)
+    k, v = qkv[:, 9 * 8:12 * 8].view(5, 3, 8), qkv[:, 12 * 8:].view(5, 3, 8)
+    kc, vc = torch.randn(20, 3, 8, generator=g), torch.randn(20, 3, 8, generator=g)
+    want_k, want_v = kc.clone().index_copy_(0, torch.tensor([7, 0, 19, 3, 4]), k), \
+        vc.clone().index_copy_(0, torch.tensor([7, 0, 19, 3, 4]), v)
+    native.write_kv(kc, vc, k, v, torch.tensor([7, 0, 19, 3, 4]))
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    before = kc.clone()
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 20 is outside the cache's 20 slots"):
+        native.write_kv(kc, vc, k[:2], v[:2], torch.tensor([1, 20]))
+    assert torch.equal(kc, before)

@@ -8,6 +8,8 @@ the same four operators (``torch.ops.tinypaged_cpu``):
 * ``add_rms_norm(x, residual, weight, eps)``: ``x += residual`` in place, then RMSNorm (vLLM's ``fused_add_rms_norm``);
 * ``rope_(qkv, cos, signed_sin, heads)``: RoPE in place on the first ``heads`` heads;
 * ``silu_mul(gate_up)``: ``silu(gate) * up`` (vLLM's ``silu_and_mul``);
+* ``write_kv(key_cache, value_cache, key, value, slot_mapping)``: the step's new keys and values into their slots
+  (vLLM's ``reshape_and_cache``);
 * ``decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale)``: decode
   attention reading the cache in place through each sequence's block table (block_size 1: a table of slots, from a
   KV manager with its own), each key's row of all KV heads read once for every query head, the softmax online.

@@ -160,6 +160,44 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// key_cache[slot_mapping[t]] = key[t] and value_cache[slot_mapping[t]] = value[t] for every new token t (vLLM's
+// reshape_and_cache, for a cache of [slots, KVH, D]): one copy of each token's row, where index_copy_ made two
+// dispatches and their checks per layer. key and value [T, KVH, D] may be views into the fused qkv output (any token
+// stride, each token's row contiguous); slot_mapping int64 [T], every slot inside the cache (checked first, so a bad
+// slot writes nothing).
+void write_kv(at::Tensor key_cache, at::Tensor value_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.dim() == 3 &&
+                  key_cache.sizes() == value_cache.sizes() && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat && key_cache.device().is_cpu(),
+              "key_cache and value_cache must be contiguous float32 CPU tensors [slots, KVH, D] of one shape");
+  const int64_t slots = key_cache.size(0), row = key_cache.size(1) * key_cache.size(2);
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(1) == key_cache.size(1) &&
+                    t->size(2) == key_cache.size(2) && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "key and value must be float32 [tokens, ", key_cache.size(1), ", ", key_cache.size(2),
+                "] with each token's row contiguous");
+  }
+  const int64_t T = key.size(0);
+  TORCH_CHECK(value.size(0) == T, "key and value must hold the same number of tokens");
+  TORCH_CHECK(slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T,
+              "slot_mapping must be a contiguous int64 tensor of one slot per token");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot_mapping[", t, "] = ", slot[t], " is outside the cache's ",
+                slots, " slots");
+  }
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* kc = key_cache.data_ptr<float>();
+  float* vc = value_cache.data_ptr<float>();
+  const int64_t ks = key.stride(0), vs = value.stride(0);
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kc + slot[t] * row, k + t * ks, sizeof(float) * row);
+    std::memcpy(vc + slot[t] * row, v + t * vs, sizeof(float) * row);
+  }
+}
+
 // Decode attention over a paged cache, read in place. query [B, H, D] (any row and head strides); key_cache and
 // value_cache [slots, KVH, D] contiguous; block_tables [S, W] int32 or int64: key j of sequence s is in slot
 // block_tables[s, j / block_size] * block_size + j % block_size (block_size 1: a table of one slot per key, any KV
@@ -445,6 +483,8 @@ TORCH_LIBRARY(tinypaged_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor? residual, Tensor weight, float eps) -> Tensor", &add_rms_norm);
   m.def("rope_(Tensor(a!) x, Tensor cos, Tensor signed_sin, int heads) -> ()", &rope_);
   m.def("silu_mul(Tensor gate_up) -> Tensor", &silu_mul);
+  m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()",
+        &write_kv);
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor context_lens, int block_size, float scale, Tensor? row_seq=None) -> Tensor",
         &decode_attention);

@@ -28,6 +28,11 @@ class SDPABackend(TorchBackend):
     def write(self, key_cache, value_cache, key, value, slot_mapping) -> None:
         # the runner's slot mappings hold no padding (check_slots refuses a negative slot): no mask to
         # build; a -1 would fail loudly here (index out of range), never write a wrong slot
+        native = cpu_native.usable(key)
+        if (native is not None and key_cache.dtype == torch.float32 and slot_mapping.dtype == torch.long
+                and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))):
+            native.write_kv(key_cache, value_cache, key, value, slot_mapping)  # one C++ call for both
+            return
         key_cache.index_copy_(0, slot_mapping, key)
         value_cache.index_copy_(0, slot_mapping, value)
 
