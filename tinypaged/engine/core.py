@@ -44,9 +44,11 @@ logger = logging.getLogger("tinypaged")
 class CoreStep:
     """What one ``EngineCore.step()`` did, as data (vLLM's ``EngineCoreOutputs``, plus the batch for the lessons).
 
-    ``finished`` lists the requests this step ended (the token rules, or a failure: ``failed`` says why), no longer
-    in ``EngineCore.requests``, in the order of their first sample in ``sampled``, the failed ones last. ``kv_events`` are the prefix cache's changes in this step (``enable_kv_cache_events``), ``timings`` the
-    seconds each phase took ("schedule", "execute", "sample", "update")."""
+    ``finished`` lists the requests this step ended, no longer in ``EngineCore.requests``: those the token rules
+    ended, in the order of their samples in ``sampled``, then those that failed alone (``failed`` says why).
+    ``kv_events`` are the prefix cache's changes in this step (``enable_kv_cache_events``), ``timings`` the seconds
+    each phase took ("schedule", "execute", "sample", "update"), ``stats`` the queues and the cache after the step
+    (``scheduler_stats``, vLLM's ``SchedulerStats``: the process core sends them with its outputs)."""
 
     step: int
     scheduled: list  # the scheduler's ScheduledSeq items
@@ -57,7 +59,7 @@ class CoreStep:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed
     kv_events: list = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    stats: dict = field(default_factory=dict)  # the queues and the cache after the step (scheduler_stats)
+    stats: dict = field(default_factory=dict)
 
 
 class EngineCore:

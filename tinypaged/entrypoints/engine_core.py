@@ -42,7 +42,8 @@ from typing import Any, Union
 
 import msgspec
 
-from tinypaged.engine.input_processor import check_max_tokens
+from tinypaged.engine.input_processor import InputProcessor, check_max_tokens
+from tinypaged.engine.output_processor import OutputProcessor
 
 logger = logging.getLogger("tinypaged")
 
@@ -175,8 +176,6 @@ class EngineCoreProc:
     ``InputProcessor`` (without a tokenizer) before they are queued."""
 
     def __init__(self, core, inbox, outbox, parent_pid: int):
-        from tinypaged.engine.input_processor import InputProcessor
-
         self.engine, self.inbox, self.outbox, self.parent_pid = core, inbox, outbox, parent_pid
         self.input_processor = InputProcessor(core.config, core.vocab_size, core.kv, None, core.clock,
                                               core.eos_token_ids)
@@ -275,8 +274,6 @@ class EngineCoreProc:
         """End a live request now (its blocks freed): one ``abort`` choice per sample still running.
         ``finished``: the server's stop string ended its last sample (``StopSample``, ``Abort(stopped=True)``), so its
         latencies are observed."""
-        from tinypaged.engine.output_processor import OutputProcessor
-
         req = self.engine.requests.get(request_id)
         self.engine.abort_requests([request_id])
         if req is None:
@@ -304,8 +301,6 @@ class EngineCoreProc:
         return None
 
     def step(self) -> None:
-        from tinypaged.engine.output_processor import OutputProcessor
-
         engine = self.engine
         try:
             result = engine.step()
