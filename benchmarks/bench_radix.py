@@ -57,7 +57,7 @@ def run_engine(model: str, manager: dict, order: str | None, kv_tokens: int, max
                block_size: int = BLOCK, **engine_kw) -> dict:
     """All ``workloads`` in turn on one engine; per workload its counts, and each request's tokens and
     cached prompt tokens. ``order`` None: the engine's default scheduling (vLLM v1's continuous FCFS)."""
-    policy = {} if order is None else {"scheduler_cls": CacheAwareOrder(order)}
+    policy = {} if order is None else {"scheduling_policy": CacheAwareOrder(order)}
     llm = LLM(model, block_size=block_size, kv_cache_tokens=kv_tokens, max_num_seqs=max_num_seqs, device="cpu",
               check_invariants=False, **policy, **manager, **engine_kw)
     engine = llm.llm_engine

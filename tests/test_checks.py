@@ -93,7 +93,7 @@ def _stage07_given_and_solution_cells() -> dict:
             exec(compile(source_of(cell), "<solutions/07 cell>", "exec"), ns)
     tree = ns["RadixTree"]
     ns["plugins"] = {"kv_cache_manager": RadixKVManager.factory(page_size=1, tree_factory=tree),
-                     "scheduler_cls": CacheAwareOrder(order=ns["lpm_order"])}
+                     "scheduling_policy": CacheAwareOrder(order=ns["lpm_order"])}
     return ns
 
 
@@ -107,17 +107,17 @@ def test_stage07_serving_takes_the_learners_pieces_inside_the_packages_seams():
     from tinypaged.sched.radix_policy import CacheAwareOrder, lpm_order
 
     plugins = _stage07_given_and_solution_cells()["plugins"]
-    check_plugins(plugins, ("kv_cache_manager", "scheduler_cls"))
+    check_plugins(plugins, ("kv_cache_manager", "scheduling_policy"))
     _preflight(plugins)
     with pytest.raises(ValueError, match="package's own"):
         check_plugins(plugins)  # without naming the seams, the package's classes are refused as before
     serve = checks.get("serve_radix")
     bad = {"the package's tree": dict(plugins, kv_cache_manager=RadixKVManager.factory(page_size=1)),
-           "a named order": dict(plugins, scheduler_cls=CacheAwareOrder("lpm")),
-           "the package's order": dict(plugins, scheduler_cls=CacheAwareOrder(lpm_order)),
+           "a named order": dict(plugins, scheduling_policy=CacheAwareOrder("lpm")),
+           "the package's order": dict(plugins, scheduling_policy=CacheAwareOrder(lpm_order)),
            "no policy": {"kv_cache_manager": plugins["kv_cache_manager"]}}
     want = {"the package's tree": "your RadixTree", "a named order": "your lpm_order",
-            "the package's order": "your lpm_order", "no policy": "scheduler_cls"}
+            "the package's order": "your lpm_order", "no policy": "scheduling_policy"}
     for what, impl in bad.items():
         (outcome,) = checks.observe(serve, impl)["outcomes"]
         assert want[what] in outcome.get("error", ""), (what, outcome)

@@ -21,8 +21,9 @@ from tinypaged.__main__ import main
 from tinypaged.config import BOOLS, NUMBERS, OPTIONAL
 from tinypaged.kv.block_manager import BlockManager
 from tinypaged.kv.contiguous import ContiguousKVManager
-from tinypaged.sched.policies import PlanPolicy, StaticBatching, schedule_step
-from tinypaged.sched.scheduler import make_policy
+from tinypaged.sched.policies import FcfsOrder, PlanPolicy, schedule_step
+from tinypaged.sched.registry import make_scheduler
+from tinypaged.sched.static import StaticScheduler
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 
@@ -124,17 +125,20 @@ def test_kv_cache_manager_factories_that_take_a_spec_are_accepted():
 def test_scheduling_policy_is_the_order_and_defaults_to_fcfs():
     c = config()
     assert c.scheduling_policy == "fcfs" and not hasattr(c, "scheduler") and not c.has_plugins
-    assert isinstance(make_policy(c), PlanPolicy)
-    assert isinstance(make_policy(config(scheduler_cls="static")), StaticBatching)
+    sched = make_scheduler(c, None)
+    assert isinstance(sched.step, PlanPolicy) and isinstance(sched.order, FcfsOrder)
+    assert isinstance(make_scheduler(config(scheduler_cls="static"), None), StaticScheduler)
     assert config(scheduler_cls=schedule_step).has_plugins
 
 
 @pytest.mark.parametrize("policy, error, words", [
     ("fifo", ValueError, r"scheduling_policy='fifo': use 'fcfs', 'priority', 'lpm'; a scheduler of your own is "
                          r"scheduler_cls="),
-    (5, TypeError, r"scheduling_policy must be 'fcfs', 'priority', 'lpm' \(or None: 'fcfs'\), got 5"),
+    (5, TypeError, r"scheduling_policy must be 'fcfs', 'priority', 'lpm' \(or None: 'fcfs'\), or an order object "
+                    r"with waiting_order\(scheduler\) and rank_running\(requests\), got 5"),
     (lambda: None, ValueError, r"scheduling_policy=<lambda> is now scheduler_cls=<lambda>"),
     (type("NoSchedule", (), {}), ValueError, r"scheduling_policy=NoSchedule is now scheduler_cls=NoSchedule"),
+    (type("Plans", (), {"plan": lambda *a: None})(), ValueError, r"scheduling_policy=Plans\(\.\.\.\) is now scheduler_cls="),
 ])
 def test_bad_scheduling_policy(policy, error, words):
     with pytest.raises(error, match=words):

@@ -15,8 +15,9 @@ import pytest
 from tinypaged import LLM, EngineConfig
 from tinypaged.config import MOVED_POLICIES, SCHEDULERS, SCHEDULING_POLICIES
 from tinypaged.entrypoints.cli_args import add_arguments
-from tinypaged.sched.policies import PlanPolicy, StaticBatching, schedule_step
-from tinypaged.sched.scheduler import make_policy
+from tinypaged.sched.policies import FcfsOrder, PlanPolicy, schedule_step
+from tinypaged.sched.registry import make_scheduler
+from tinypaged.sched.static import StaticScheduler
 
 ROOT = Path(__file__).resolve().parents[1]
 WHY = (r"\(as in vLLM, scheduling_policy orders the requests: 'fcfs', 'priority', 'lpm'; scheduler_cls is the "
@@ -41,10 +42,10 @@ def test_the_registries_hold_vllms_names():
 
 
 def test_the_new_spellings_run_what_the_old_ones_did():
-    assert config().scheduling_policy == "fcfs" and isinstance(make_policy(config()), PlanPolicy)
+    assert config().scheduling_policy == "fcfs" and isinstance(make_scheduler(config(), None).order, FcfsOrder)
     static = config(scheduler_cls="static")
-    assert isinstance(make_policy(static), StaticBatching) and static.enable_chunked_prefill is False
-    assert make_policy(config(scheduler_cls=my_step)).step_fn is my_step
+    assert isinstance(make_scheduler(static, None), StaticScheduler) and static.enable_chunked_prefill is False
+    assert make_scheduler(config(scheduler_cls=my_step), None).step.step_fn is my_step
 
 
 @pytest.mark.parametrize("old, message", [
@@ -52,7 +53,7 @@ def test_the_new_spellings_run_what_the_old_ones_did():
     ("continuous", r"scheduling_policy='continuous' is now scheduling_policy='fcfs', the default, " + WHY),
     (my_step, r"scheduling_policy=my_step is now scheduler_cls=my_step " + WHY),
     (PlanPolicy(my_step), r"scheduling_policy=PlanPolicy\(\.\.\.\) is now scheduler_cls=PlanPolicy\(\.\.\.\) " + WHY),
-    (StaticBatching, r"scheduling_policy=StaticBatching is now scheduler_cls=StaticBatching " + WHY),
+    (type("MyPlan", (), {"plan": lambda *a: None}), r"scheduling_policy=MyPlan is now scheduler_cls=MyPlan " + WHY),
 ])
 def test_an_old_spelling_is_a_value_error_naming_the_new_one(old, message):
     with pytest.raises(ValueError, match=f"^{message}$"):
@@ -71,7 +72,8 @@ def test_other_wrong_values_still_name_the_knob():
                                          r"of your own is scheduler_cls=\.\.\.$"):
         config(scheduling_policy="fifo")
     with pytest.raises(TypeError, match=r"^scheduling_policy must be 'fcfs', 'priority', 'lpm' \(or None: 'fcfs'\), "
-                                        r"got 5"):
+                                        r"or an order object with waiting_order\(scheduler\) and "
+                                        r"rank_running\(requests\), got 5"):
         config(scheduling_policy=5)
     with pytest.raises(ValueError, match=r"^scheduler_cls='continuous': use 'static', a schedule_step-like function"):
         config(scheduler_cls="continuous")
@@ -97,10 +99,12 @@ def test_serve_flags_say_the_same(flag, message, capsys):
     assert ap.parse_args(["--scheduler-cls", "static"]).scheduler_cls == "static"
 
 
-# the old spellings, as code or prose would write them: "static" or "continuous" as the policy, or a plug-in
+# the old spellings, as code or prose would write them: "static" or "continuous" as the policy, a step as the
+# policy, or an order (CacheAwareOrder) as the scheduler
 OLD = re.compile(r"""scheduling_policy\s*=\s*(?:["'](?:static|continuous)["']"""
-                 r"""|(?:my_\w+|schedule_step|CacheAwareOrder|OneAtATime)\b)"""
-                 r"""|["']scheduling_policy["']\s*:(?!\s*["'](?:fcfs|priority|lpm)["'])"""
+                 r"""|(?:my_\w+|schedule_step|OneAtATime)\b)"""
+                 r"""|["']scheduling_policy["']\s*:(?!\s*(?:["'](?:fcfs|priority|lpm)["']|CacheAwareOrder\b))"""
+                 r"""|scheduler_cls\s*=\s*CacheAwareOrder\b|["']scheduler_cls["']\s*:\s*CacheAwareOrder\b"""
                  r"""|--scheduling-policy[ =](?:static|continuous)\b""")
 SCANNED = ["README.md", "docs/*.md", "notebooks/*.ipynb", "solutions/*.ipynb", "exercises/*.ipynb", "tests/*.py",
            "benchmarks/*.py", "tinypaged/lab/*.py", "tinypaged/course/checks/*.py", "tinypaged/entrypoints/*.py",
@@ -122,3 +126,25 @@ def test_the_course_writes_the_new_spellings():
     """Lessons, docs, tests and tools spell the knobs as vLLM does (the engine would refuse the old spellings)."""
     found = [f"{path}: {m.group(0)!r}" for path, text in _texts() for m in OLD.finditer(text)]
     assert not found, "\n".join(found)
+
+
+def test_an_order_given_as_the_scheduler_names_its_knob_now():
+    """Stage 7's ``CacheAwareOrder`` orders the requests: it is ``scheduling_policy``'s, and ``scheduler_cls`` (the
+    course's earlier spelling for it) refuses it, naming the knob."""
+    from tinypaged.sched.radix_policy import CacheAwareOrder
+
+    with pytest.raises(ValueError, match=r"^scheduler_cls=CacheAwareOrder\(\.\.\.\) is an order of the requests: "
+                                         r"it is now scheduling_policy=CacheAwareOrder\(\.\.\.\) "):
+        config(scheduler_cls=CacheAwareOrder("lpm"))
+    assert config(scheduling_policy=CacheAwareOrder("lpm")).has_plugins
+
+
+def test_each_scheduling_name_builds_what_the_registry_says():
+    """``config``'s names (what the knobs accept, the CLI and docs list) and ``sched/registry.py``'s builders are the
+    same sets: a name cannot be accepted and then fail to build, nor built and never accepted."""
+    from tinypaged.sched import registry
+
+    assert registry.ORDERS.keys() == SCHEDULING_POLICIES.keys()
+    assert registry.SCHEDULERS.keys() == SCHEDULERS.keys()
+    for name in SCHEDULING_POLICIES:
+        assert make_scheduler(config(scheduling_policy=name), None).order is not None

@@ -198,8 +198,8 @@ def test_missing_method_fails_at_construction():
 
     with pytest.raises(TypeError, match="lacks required member.*free"):
         LLM("tiny", kv_cache_manager=NoFree, **TINY)
-    with pytest.raises(TypeError, match="schedule"):
-        LLM("tiny", scheduler_cls=type("NoSchedule", (), {"plan": None})(), **TINY)
+    with pytest.raises(TypeError, match="plan"):
+        LLM("tiny", scheduler_cls=type("NoPlan", (), {"plan": None})(), **TINY)
     with pytest.raises(TypeError, match="decode"):
         LLM("tiny", attention_backend=type("WriteOnly", (), {"write": None, "uses_block_tables": True})(), **TINY)
 
@@ -225,18 +225,21 @@ def test_policy_over_max_num_seqs_is_refused_or_caught():
     outs = llm.generate(PROMPTS, GREEDY, on_step=lambda st: running.append(len(llm.llm_engine.scheduler.running)))
     assert max(running) == 2 and [o.outputs[0].token_ids for o in outs] == reference_tokens()
 
-    class AdmitAll:  # a policy object admits through the scheduler's own actions: the engine's check stops it
-        def schedule(self, sched):
-            from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
+    from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
+    from tinypaged.sched.scheduler import Scheduler
 
+    class AdmitAll(Scheduler):  # a scheduler of its own admits through its actions: the engine's check stops it
+        def form_step(self):
             out = SchedulerOutput()
-            for seq in list(sched.waiting):
-                if sched.allocate(seq, 1):
-                    sched.admit(seq)
+            for seq in list(self.waiting):
+                if self.allocate(seq, 1):
+                    self.admit(seq)
                     out.scheduled.append(ScheduledSeq(seq, 1))
             return out
 
-    llm = LLM("tiny", scheduler_cls=AdmitAll(), **{**TINY, "max_num_seqs": 2})
+    with pytest.raises(TypeError, match="Scheduler subclass overriding form_step"):
+        LLM("tiny", scheduler_cls=type("Acts", (), {"schedule": lambda self, sched: None})(), **TINY)
+    llm = LLM("tiny", scheduler_cls=AdmitAll, **{**TINY, "max_num_seqs": 2})
     with pytest.raises(InvariantError, match="max_num_seqs=2"):
         llm.generate(PROMPTS, GREEDY)
 

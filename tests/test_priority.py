@@ -15,7 +15,8 @@ from served import start_server, wait_for_health
 
 from tinypaged import LLM, EngineConfig, SamplingParams
 from tinypaged.entrypoints.server import ServerThread, create_app
-from tinypaged.sched.policies import BlockCounter, PriorityOrder, schedule_step
+from tinypaged.sched.policies import BlockCounter, FcfsOrder, PriorityOrder, schedule_step
+from tinypaged.sched.radix_policy import CacheAwareOrder
 
 pytestmark = pytest.mark.usefixtures("shared_weights")
 
@@ -50,8 +51,8 @@ def test_lpm_is_nameable_and_changes_no_tokens():
     from tinypaged.sched.radix_policy import CacheAwareOrder
 
     llm = tiny(scheduling_policy="lpm", enable_prefix_caching=True)
-    policy = llm.llm_engine.scheduler.policy
-    assert isinstance(policy, CacheAwareOrder) and policy.order == "lpm"
+    order = llm.llm_engine.scheduler.order
+    assert isinstance(order, CacheAwareOrder) and order.order == "lpm"
     shared = [{"prompt_token_ids": [9] * 12 + p["prompt_token_ids"]} for p in PROMPTS]
     assert finish_order(llm, shared)[1] == finish_order(tiny(), shared)[1]
 
@@ -109,14 +110,14 @@ def _running(*specs):
     ([("A", 2, 0.0), ("B", 2, 1.0), ("C", 0, 2.0)], "C", "B"),  # equal priorities: the latest arrival yields
 ])
 def test_preemption_takes_the_lowest_priority(specs, fcfs_victim, priority_victim):
-    def victims(policy_plan):
+    def victims(order):
         running = _running(*specs)
         kv = BlockCounter(num_blocks=4, block_size=4, held={r.request_id: 4 for r in running})
-        plan = policy_plan(running, [], 64, 8, kv)
+        plan = schedule_step(order.rank_running(running), [], 64, 8, kv)
         return [r.request_id for r in plan.preempted]
 
-    assert victims(schedule_step) == [fcfs_victim]
-    assert victims(PriorityOrder().plan) == [priority_victim]
+    assert victims(FcfsOrder()) == [fcfs_victim]
+    assert victims(PriorityOrder()) == [priority_victim]
 
 
 def test_engine_preempts_the_lowest_priority_running_request():
@@ -272,9 +273,10 @@ def test_serve_help_is_made_from_the_registries():
 
 # -- scheduler_cls: vLLM's knob for a custom scheduler ---------------------------------------------------------------
 def test_scheduler_cls_takes_static_and_plug_ins_in_the_policy_s_order():
-    from tinypaged.sched.policies import PlanPolicy, StaticBatching
+    from tinypaged.sched.policies import PlanPolicy
     from tinypaged.sched.radix_policy import CacheAwareOrder
-    from tinypaged.sched.scheduler import make_policy
+    from tinypaged.sched.registry import make_scheduler
+    from tinypaged.sched.static import StaticScheduler
 
     def my_step(running, waiting, budget, max_num_seqs, kv):
         return schedule_step(running, waiting, budget, max_num_seqs, kv)
@@ -283,12 +285,13 @@ def test_scheduler_cls_takes_static_and_plug_ins_in_the_policy_s_order():
         return EngineConfig(model="tiny", device="cpu", **kw)
 
     static = config(scheduler_cls="static")
-    assert isinstance(make_policy(static), StaticBatching) and static.enable_chunked_prefill is False
+    assert isinstance(make_scheduler(static, None), StaticScheduler) and static.enable_chunked_prefill is False
     assert not static.has_plugins and config(scheduler_cls=my_step).has_plugins
-    assert make_policy(config(scheduler_cls=my_step)).step_fn is my_step
-    assert isinstance(make_policy(config(scheduler_cls=my_step, scheduling_policy="priority")), PriorityOrder)
-    lpm = make_policy(config(scheduler_cls=PlanPolicy(my_step), scheduling_policy="lpm"))
-    assert isinstance(lpm, CacheAwareOrder) and lpm.inner.step_fn is my_step
+    assert make_scheduler(config(scheduler_cls=my_step), None).step.step_fn is my_step
+    assert isinstance(make_scheduler(config(scheduler_cls=my_step, scheduling_policy="priority"), None).order,
+                      PriorityOrder)
+    lpm = make_scheduler(config(scheduler_cls=PlanPolicy(my_step), scheduling_policy="lpm"), None)
+    assert isinstance(lpm.order, CacheAwareOrder) and lpm.step.step_fn is my_step
     # the same tokens and order as the built-in step
     prio = [3, 1, 2, 1, 0]
     assert finish_order(tiny(scheduler_cls=my_step, scheduling_policy="priority", max_num_seqs=1), PROMPTS, prio) \
@@ -298,7 +301,9 @@ def test_scheduler_cls_takes_static_and_plug_ins_in_the_policy_s_order():
 @pytest.mark.parametrize("knobs, error, message", [
     (dict(scheduler_cls="orca"), ValueError, r"scheduler_cls='orca': use 'static', a schedule_step-like function"),
     (dict(scheduler_cls=5), TypeError, r"scheduler_cls must be 'static', a schedule_step-like function"),
-    (dict(scheduler_cls=type("NoPlan", (), {})), TypeError, r"scheduler_cls=NoPlan is a class without a schedule"),
+    (dict(scheduler_cls=type("NoPlan", (), {})), TypeError, r"scheduler_cls=NoPlan is a class without a plan"),
+    (dict(scheduler_cls="static", scheduling_policy=CacheAwareOrder("lpm")), ValueError,
+     r"scheduling_policy=CacheAwareOrder\(\.\.\.\) orders the requests a step function plans over"),
     (dict(scheduler_cls="static", scheduling_policy="priority"), ValueError,
      r"scheduling_policy='priority' orders the requests a step function plans over: scheduler_cls='static' admits"),
     (dict(scheduler_cls="static", enable_chunked_prefill=True), ValueError,

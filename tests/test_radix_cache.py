@@ -283,11 +283,11 @@ def test_every_manager_and_order_gives_the_same_tokens():
     _, base = _generate()
     want = [o.outputs[0].token_ids for o in base]
     runs = {
-        "hashed, lpm": dict(enable_prefix_caching=True, scheduler_cls=CacheAwareOrder("lpm")),
+        "hashed, lpm": dict(enable_prefix_caching=True, scheduling_policy=CacheAwareOrder("lpm")),
         "radix page 1, fcfs": dict(kv_cache_manager=RadixKVManager.factory(1), scheduler_cls=schedule_step),
-        "radix page 4, lpm": dict(kv_cache_manager=RadixKVManager.factory(), scheduler_cls=CacheAwareOrder()),
+        "radix page 4, lpm": dict(kv_cache_manager=RadixKVManager.factory(), scheduling_policy=CacheAwareOrder()),
         "radix page 1, dfs-weight": dict(kv_cache_manager=RadixKVManager.factory(1),
-                                         scheduler_cls=CacheAwareOrder("dfs-weight")),
+                                         scheduling_policy=CacheAwareOrder("dfs-weight")),
     }
     hits = {}
     for name, kw in runs.items():
@@ -337,23 +337,19 @@ class _FakeSched:
         return len(computed)
 
 
-class _Recorder:
-    def schedule(self, sched):
-        self.seen = [s.seq_id for s in sched.waiting]
-        return "out"
-
-
 @pytest.mark.parametrize("order, fcfs_above, want", [
     ("lpm", 128, [1, 3, 0, 2]),
     ("lpm", 3, [0, 1, 2, 3]),  # four waiting, over the cut-off: arrival order
     ("fcfs", 128, [0, 1, 2, 3]),
     (lambda seqs, cached: list(reversed(seqs)), 128, [3, 2, 1, 0]),  # a learner's own order plugs in
 ])
-def test_cache_aware_order_reorders_only_the_view(order, fcfs_above, want):
-    sched, inner = _FakeSched([0, 8, 0, 5]), _Recorder()
-    assert CacheAwareOrder(order, fcfs_above, inner).schedule(sched) == "out"
-    assert inner.seen == want
+def test_cache_aware_order_only_orders(order, fcfs_above, want):
+    sched = _FakeSched([0, 8, 0, 5])
+    ordered = CacheAwareOrder(order, fcfs_above)
+    assert [s.seq_id for s in ordered.waiting_order(sched)] == want
     assert [s.seq_id for s in sched.waiting] == [0, 1, 2, 3], "the scheduler's own queue keeps arrival order"
+    running = [object(), object()]
+    assert ordered.rank_running(running) == running, "running requests keep admission order"
 
 
 @pytest.mark.parametrize("order, repeat_first", [("lpm", True), ("fcfs", False)])
@@ -364,7 +360,7 @@ def test_cache_aware_order_changes_what_the_engine_admits(order, repeat_first):
     from tinypaged import LLM, SamplingParams
 
     llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=1,
-              kv_cache_manager=RadixKVManager.factory(1), scheduler_cls=CacheAwareOrder(order))
+              kv_cache_manager=RadixKVManager.factory(1), scheduling_policy=CacheAwareOrder(order))
     first, other = list(range(10, 22)), list(range(50, 62))
     admitted = []
     llm.generate([{"prompt_token_ids": p} for p in (first, other, first)],
@@ -547,7 +543,7 @@ def test_a_tree_with_only_the_assignments_interface_drives_engine_metrics_policy
     for order in ("lpm", "dfs-weight"):
         llm = LLM("tiny", block_size=4, kv_cache_tokens=160, max_num_seqs=1, check_invariants=True,
                   kv_cache_manager=RadixKVManager.factory(page_size=1, tree_factory=AssignmentTree),
-                  scheduler_cls=CacheAwareOrder(order))
+                  scheduling_policy=CacheAwareOrder(order))
         outs = llm.generate(prompts, params)
         assert [o.outputs[0].token_ids for o in outs] == want, order
         m = llm.get_metrics()
@@ -581,7 +577,7 @@ def test_a_page_size_1_tree_serves_any_page_size(page_size, order):
     for name, factory in (("engine's", RadixTree), ("assignment's", AssignmentTree)):
         llm = LLM("tiny", block_size=4, kv_cache_tokens=64, max_num_seqs=2, check_invariants=True,
                   kv_cache_manager=RadixKVManager.factory(page_size, tree_factory=factory),
-                  scheduler_cls=CacheAwareOrder(order))
+                  scheduling_policy=CacheAwareOrder(order))
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
         llm.llm_engine.scheduler.kv.check_invariants()  # whole pages in every key, every page in one place
         m = llm.get_metrics()

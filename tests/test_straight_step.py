@@ -63,7 +63,7 @@ def test_the_runner_reads_plain_data_and_never_the_kv_manager(kw, reference):
 
 def test_a_plan_policy_is_asked_once_per_step_and_never_calls_the_scheduler(reference):
     """A plan policy only decides: ``plan`` runs once per engine step, on the adapter's requests, with the
-    adapter as its kv (the scheduler is never handed to it); CacheAwareOrder only orders, the same way."""
+    adapter as its kv (the scheduler is never handed to it), whichever order it runs in."""
     class Counting(PlanPolicy):
         calls = 0
 
@@ -72,9 +72,9 @@ def test_a_plan_policy_is_asked_once_per_step_and_never_calls_the_scheduler(refe
             assert type(kv).__name__ == "StepKV"
             return super().plan(running, waiting, budget, max_num_seqs, kv)
 
-    for policy in (Counting(), CacheAwareOrder("lpm", inner=Counting())):
+    for order in ("fcfs", CacheAwareOrder("lpm"), "priority"):
         Counting.calls = 0
-        llm = tiny(num_gpu_blocks_override=64, scheduler_cls=policy)
+        llm = tiny(num_gpu_blocks_override=64, scheduler_cls=Counting(), scheduling_policy=order)
         steps = []
         assert token_ids(llm.generate(PROMPTS, PARAMS, on_step=steps.append)) == reference
         assert Counting.calls == len(steps) > 0
@@ -82,7 +82,7 @@ def test_a_plan_policy_is_asked_once_per_step_and_never_calls_the_scheduler(refe
 
 def test_static_batching_admits_with_schedule_steps_loop(monkeypatch, reference):
     """One FCFS admission loop: static batching forms its batches by running ``schedule_step``."""
-    import tinypaged.sched.policies as policies
+    import tinypaged.sched.static as static
 
     calls = []
 
@@ -90,7 +90,7 @@ def test_static_batching_admits_with_schedule_steps_loop(monkeypatch, reference)
         calls.append(type(kv).__name__)
         return schedule_step(running, waiting, budget, max_num_seqs, kv)
 
-    monkeypatch.setattr(policies, "schedule_step", spy)
+    monkeypatch.setattr(static, "schedule_step", spy)
     llm = tiny(num_gpu_blocks_override=64, scheduler_cls="static", max_num_seqs=2)
     assert token_ids(llm.generate(PROMPTS, PARAMS)) == reference
     assert calls.count("_Reservations") >= 2, "each static batch is formed by schedule_step's admission"

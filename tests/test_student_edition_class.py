@@ -158,7 +158,7 @@ SERVE = """
         from tinypaged.kv.radix_cache import RadixKVManager
         from tinypaged.sched.radix_policy import CacheAwareOrder
         plugins = {"kv_cache_manager": RadixKVManager.factory(page_size=1, tree_factory=RadixTree),
-                   "scheduler_cls": CacheAwareOrder(order=lpm_order)}
+                   "scheduling_policy": CacheAwareOrder(order=lpm_order)}
     from tinypaged.course import checks
     from tinypaged.course.checks import serving
     serving.MODEL = "tiny"  # the path through the engine is the point, not SmolLM2's tokens: a model that loads in 1 s

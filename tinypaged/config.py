@@ -19,7 +19,7 @@ CPU_DEFAULT_KV_BYTES = 512 * 2**20  # on a CPU, like vLLM's CPU backend, the KV 
 CPU_DEFAULT_MAX_MODEL_LEN = 2048  # a CPU-friendly cap on the model's own context (8192 for SmolLM2)
 # One registry per seam: each built-in name and whose design it is. The knobs' checks, serve's flags and their
 # help (entrypoints/cli_args.py) are made from these; the factories live in their own layers (kv/managers.py,
-# sched/scheduler.make_policy, attention/selector.py).
+# sched/registry.py, attention/selector.py).
 SCHEDULERS = {"static": "course-only: static batching, the pre-Orca baseline (stage 4)"}  # scheduler_cls
 SCHEDULING_POLICIES = {  # scheduling_policy
     "fcfs": "vLLM v1 (the default): continuous batching, waiting requests in arrival order",
@@ -108,12 +108,13 @@ class EngineConfig:
     parallel_sampling: str = "fork"  # n > 1: "fork" (paper, vLLM v0: copy-on-write) or "fanout" (vLLM v1)
     # stage 4: scheduling_policy orders the requests, as vLLM's: "fcfs" (continuous batching in arrival order) or
     # "priority" (lower request priority first, ties by arrival; preemption takes the lowest priority), and "lpm"
-    # (stage 7, SGLang); None: "fcfs". The course's earlier values ("static", "continuous", a plug-in) are refused,
-    # naming their spelling now (MOVED_POLICIES).
-    scheduling_policy: str | None = None
-    # vLLM's name for a custom scheduler: "static" (stage 4's static batching), a schedule_step-like function, or a
-    # policy object (or class) with plan(...) or schedule(scheduler); None: the engine's continuous step. The
-    # waiting order is still scheduling_policy's (fcfs; priority and lpm wrap a step function or a plan policy).
+    # (stage 7, SGLang), or (course-only) an order object (tinypaged.interfaces.WaitingOrder: stage 7's
+    # CacheAwareOrder around a learner's order); None: "fcfs". The course's earlier values ("static", "continuous",
+    # a plug-in) are refused, naming their spelling now (MOVED_POLICIES).
+    scheduling_policy: Any = None
+    # vLLM's name for a custom scheduler: "static" (stage 4's static batching), a Scheduler subclass (vLLM's
+    # meaning), or a step to plug in: a schedule_step-like function or an object (or class) with plan(...); None:
+    # the engine's continuous step. The order is scheduling_policy's, whichever steps run.
     scheduler_cls: Any = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -201,7 +202,8 @@ class EngineConfig:
     @property
     def has_plugins(self) -> bool:
         return (not isinstance(self.kv_cache_manager, str) or not isinstance(self.attention_backend, str)
-                or not (self.scheduler_cls is None or isinstance(self.scheduler_cls, str)))
+                or not (self.scheduler_cls is None or isinstance(self.scheduler_cls, str))
+                or not (self.scheduling_policy is None or isinstance(self.scheduling_policy, str)))
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the defaults that depend on the model, then check the knobs that relate to it."""
@@ -295,7 +297,7 @@ def verify_policy(config: EngineConfig) -> None:
     p = config.scheduling_policy
     if p is None:
         p = config.scheduling_policy = "fcfs"
-    if not (isinstance(p, str) and p in SCHEDULING_POLICIES):
+    if not ((isinstance(p, str) and p in SCHEDULING_POLICIES) or _is_order(p)):
         raise moved_policy_error(p)
     verify_scheduler_cls(config)
     static = isinstance(config.scheduler_cls, str)
@@ -312,6 +314,10 @@ def policy_names() -> str:
     return ", ".join(map(repr, SCHEDULING_POLICIES))
 
 
+def _named(value) -> str:
+    return getattr(value, "__name__", None) or f"{type(value).__name__}(...)"
+
+
 def moved_policy_error(value) -> Exception:
     """The error for a ``scheduling_policy`` that is not one of its names: one of the course's earlier values
     (``MOVED_POLICIES``, or a plug-in: now ``scheduler_cls``) names its spelling now; anything else, the names."""
@@ -324,40 +330,63 @@ def moved_policy_error(value) -> Exception:
             return ValueError(f"scheduling_policy={value!r} is now {knob}={new!r}{default} {why}")
         return ValueError(f"scheduling_policy={value!r}: use {policy_names()}; a scheduler of your own is "
                           f"scheduler_cls=...")
-    if callable(value) or _is_policy(value):
-        name = getattr(value, "__name__", None) or f"{type(value).__name__}(...)"
-        return ValueError(f"scheduling_policy={name} is now scheduler_cls={name} {why}")
-    return TypeError(f"scheduling_policy must be {policy_names()} (or None: 'fcfs'), got {value!r}; a scheduler "
-                     f"of your own is scheduler_cls=...")
+    if callable(value) or _is_step(value):
+        return ValueError(f"scheduling_policy={_named(value)} is now scheduler_cls={_named(value)} {why}")
+    return TypeError(f"scheduling_policy must be {policy_names()} (or None: 'fcfs'), or an order object with "
+                     f"waiting_order(scheduler) and rank_running(requests), got {value!r}; a scheduler of your own "
+                     f"is scheduler_cls=...")
+
+
+SCHEDULER_FORMS = ("a schedule_step-like function (running, waiting, budget, max_num_seqs, kv), an object (or class) "
+                   "with plan(running, waiting, budget, max_num_seqs, kv), or a Scheduler subclass")
 
 
 def verify_scheduler_cls(config: EngineConfig) -> None:
-    """``scheduler_cls``: None, "static", a step function or a policy, and an order it can run in."""
+    """``scheduler_cls``: None, "static", a step (function, or object or class with ``plan``) or a ``Scheduler``
+    subclass; with "static", only the fcfs order."""
     cls, p = config.scheduler_cls, config.scheduling_policy
     if cls is None:
         return
+    names = ", ".join(map(repr, SCHEDULERS))
     if isinstance(cls, str):
         if cls not in SCHEDULERS:
-            raise ValueError(f"scheduler_cls={cls!r}: use {', '.join(map(repr, SCHEDULERS))}, a schedule_step-like "
-                             f"function or a policy object (or class) with schedule(scheduler) or plan(running, "
-                             f"waiting, budget, max_num_seqs, kv)")
-    elif isinstance(cls, type) and not _is_policy(cls):
-        raise TypeError(f"scheduler_cls={cls.__name__} is a class without a schedule(scheduler) method "
-                        f"(or a plan(running, waiting, budget, max_num_seqs, kv) method)")
-    elif not _is_policy(cls) and not (callable(cls) and _accepts_arguments(cls, 5)):
-        raise TypeError(f"scheduler_cls must be {', '.join(map(repr, SCHEDULERS))}, a schedule_step-like function "
-                        f"(running, waiting, budget, max_num_seqs, kv) or an object with schedule(scheduler) or "
-                        f"plan(running, waiting, budget, max_num_seqs, kv); got {cls!r}")
-    plans = not isinstance(cls, str) and (callable(getattr(cls, "plan", None)) or not _is_policy(cls))
-    if p in ("priority", "lpm") and not plans:
-        raise ValueError(f"scheduling_policy={p!r} orders the requests a step function plans over: scheduler_cls="
-                         f"{cls!r} {'admits in arrival order' if cls == 'static' else 'schedules by itself'}; "
-                         f"use scheduling_policy='fcfs' with it, or a schedule_step-like scheduler_cls")
+            raise ValueError(f"scheduler_cls={cls!r}: use {names}, {SCHEDULER_FORMS}")
+    elif _is_order(cls) and not _is_step(cls):
+        raise ValueError(f"scheduler_cls={_named(cls)} is an order of the requests: it is now "
+                         f"scheduling_policy={_named(cls)} (as in vLLM, scheduling_policy orders the requests, "
+                         f"scheduler_cls is the scheduler)")
+    elif isinstance(cls, type) and not (_is_step(cls) or _is_scheduler_class(cls)):
+        raise TypeError(f"scheduler_cls={cls.__name__} is a class without a plan(running, waiting, budget, "
+                        f"max_num_seqs, kv) method, and not a Scheduler subclass")
+    elif not isinstance(cls, type) and not _is_step(cls) and not (callable(cls) and _accepts_arguments(cls, 5)):
+        acts = " (a scheduler that acts on the queues itself is a Scheduler subclass overriding form_step)" \
+            if callable(getattr(cls, "schedule", None)) else ""
+        raise TypeError(f"scheduler_cls must be {names}, {SCHEDULER_FORMS}; got {cls!r}{acts}")
+    if cls == "static" and p != "fcfs":
+        raise ValueError(f"scheduling_policy={_shown(p)} orders the requests a "
+                         f"step function plans over: scheduler_cls='static' admits in arrival order; use "
+                         f"scheduling_policy='fcfs' with it, or a schedule_step-like scheduler_cls")
 
 
-def _is_policy(p) -> bool:
-    """A policy object (or class): one that acts, ``schedule(scheduler)``, or one that plans, ``plan(...)``."""
-    return callable(getattr(p, "schedule", None)) or callable(getattr(p, "plan", None))
+def _shown(p) -> str:
+    return repr(p) if isinstance(p, str) else _named(p)
+
+
+def _is_step(p) -> bool:
+    """A step to plug in (object or class): one with ``plan(running, waiting, budget, max_num_seqs, kv)``."""
+    return callable(getattr(p, "plan", None))
+
+
+def _is_order(p) -> bool:
+    """An order object (``tinypaged.interfaces.WaitingOrder``)."""
+    return not isinstance(p, type) and callable(getattr(p, "waiting_order", None)) \
+        and callable(getattr(p, "rank_running", None))
+
+
+def _is_scheduler_class(cls) -> bool:
+    """A ``Scheduler`` subclass (read by its methods: this layer does not import the scheduler)."""
+    return callable(getattr(cls, "form_step", None)) and callable(getattr(cls, "schedule", None))
+
 
 
 def _accepts_arguments(fn, n: int) -> bool:

@@ -1,8 +1,8 @@
-"""The engine's three seams, written down: a KV cache manager, a scheduling policy, an attention backend.
+"""The engine's seams, written down: a KV cache manager, a scheduling policy and its order, an attention backend.
 
 Each is a ``typing.Protocol``: any object with these methods plugs in, so a learner's allocator,
 scheduler or kernel can drive the real engine (``LLM(kv_cache_manager=..., scheduler_cls=...,
-attention_backend=...)``). The engine checks the required methods when it is built
+scheduling_policy=..., attention_backend=...)``). The engine checks the required methods when it is built
 (``require``) and checks the rules below while it runs (``tinypaged.sched.scheduler.check_schedule`` and
 ``ModelRunner.check_slots``), so a broken plug-in fails loudly with the rule it broke instead of
 producing wrong text later.
@@ -80,26 +80,33 @@ class KVCacheManager(Protocol):
 
 @runtime_checkable
 class SchedulingPolicy(Protocol):
-    """Chooses the next step's batch from ``scheduler.waiting`` and ``scheduler.running``.
+    """Decides the next step's batch, and nothing else: ``plan(running, waiting, budget, max_num_seqs, kv)``
+    (``scheduler_cls``; ``tinypaged.sched.policies.PlanPolicy`` wraps a plain function shaped like
+    ``schedule_step``). It gets the scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``), running
+    ones first in the order's ranking, and a ``kv`` with ``allocate(req, n) -> bool`` and ``free(req)``
+    (the scheduler's plan adapter, ``tinypaged.sched.step_adapter.StepKV``, acting on the real cache); it returns a
+    plan whose ``scheduled`` lists ``(request, num_tokens)`` and ``preempted`` the requests, both as the objects it
+    was given (ids are refused: the n samples of one request share an id). It is never handed the scheduler.
 
-    ``schedule(scheduler)`` returns a ``tinypaged.sched.output.SchedulerOutput`` and may only change
-    state through the scheduler's actions (``allocate``, ``admit``, ``preempt``), which keep the
-    queues and the KV manager consistent. The engine then checks (``check_schedule``): each
-    scheduled sequence is running and appears once; it gets between 1 and its uncomputed tokens;
-    the step's tokens fit ``max_num_batched_tokens``; no more than ``max_num_seqs`` sequences run.
-
-    A plan policy decides instead of acting: an object with ``plan(running, waiting, budget,
-    max_num_seqs, kv)`` (``PlanPolicy``, ``CacheAwareOrder``; optional ``waiting_order(scheduler)``)
-    is run by the scheduler through its one adapter (``tinypaged.sched.step_adapter.StepKV``), and
-    is never handed the scheduler. A plain function shaped like
-    ``tinypaged.sched.policies.schedule_step`` also plugs in (the engine wraps it in ``PlanPolicy``):
-    ``step(running, waiting, budget, max_num_seqs, kv)`` gets the scheduler's requests (``request_id``, ``num_new_tokens``, ``num_seqs``) and a ``kv`` with
-    ``allocate(req, n) -> bool`` and ``free(req)`` acting on the real queues and cache, and returns
-    a plan whose ``scheduled`` lists ``(request, num_tokens)`` and ``preempted`` the requests, both
-    as the objects it was given (ids are refused: the n samples of one request share an id).
+    The engine then checks (``check_schedule``): each scheduled sequence is running and appears once; it gets
+    between 1 and its uncomputed tokens; the step's tokens fit ``max_num_batched_tokens``; no more than
+    ``max_num_seqs`` sequences run. A scheduler that forms steps another way is a ``Scheduler`` subclass
+    overriding ``form_step`` (static batching: ``tinypaged.sched.static.StaticScheduler``).
     """
 
-    def schedule(self, scheduler): ...
+    def plan(self, running, waiting, budget: int, max_num_seqs: int, kv): ...
+
+
+@runtime_checkable
+class WaitingOrder(Protocol):
+    """The order ``scheduling_policy`` names (fcfs, priority, lpm; ``tinypaged.sched.policies.FcfsOrder``,
+    ``PriorityOrder``, ``tinypaged.sched.radix_policy.CacheAwareOrder``): ``waiting_order(scheduler)`` returns the
+    waiting sequences in the order the step reads them (the arrived ones ranked, those still to arrive after them;
+    it reads the scheduler and changes nothing); ``rank_running(requests)`` returns the running requests in the
+    order they take the budget (the last is the step's first victim)."""
+
+    def waiting_order(self, scheduler): ...
+    def rank_running(self, running: list) -> list: ...
 
 
 @runtime_checkable
@@ -126,7 +133,8 @@ class AttentionBackend(Protocol):
 
 KV_REQUIRED = ("allocate_slots", "slot_mapping", "free", "get_computed_blocks", "max_tokens_needed", "usage",
                "block_size", "capacity_tokens")
-POLICY_REQUIRED = ("schedule",)
+POLICY_REQUIRED = ("plan",)
+ORDER_REQUIRED = ("waiting_order", "rank_running")
 BACKEND_REQUIRED = ("write", "decode", "uses_block_tables")
 
 

@@ -175,7 +175,7 @@ def serve_with_tree(make_tree, order, prompts, max_tokens: int = 8, model: str =
         return CountedTree(tree, calls)
 
     llm = LLM(model, kv_cache_manager=RadixKVManager.factory(page_size=page_size, tree_factory=tree_factory),
-              scheduler_cls=CacheAwareOrder(order), **engine_kwargs)
+              scheduling_policy=CacheAwareOrder(order), **engine_kwargs)
     outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     admitted = sorted(range(len(outs)), key=lambda i: (outs[i].metrics.first_scheduled_time, i))
     name = order if isinstance(order, str) else getattr(order, "__name__", "your order")

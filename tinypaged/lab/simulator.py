@@ -35,38 +35,29 @@ from tinypaged.lab.workloads import TraceRequest
 
 # -- the adapter: the only code that knows the engine's internals -------------------------------------
 class ModelFreeEngine:
-    """The engine's scheduling and KV bookkeeping without a model (the simulator's only coupling).
+    """The engine core without a model (the simulator's only coupling): ``EngineCore(config, model=False)``, the same
+    scheduler, KV manager and step as ``LLM``'s, the forward left out.
 
-    Built like ``LLMEngine`` builds them: a KV manager from a ``KVCacheSpec`` (the configured
-    ``kv_cache_manager`` plug-in, or the built-in paged / contiguous one), the configured scheduling
-    policy, and the ``Scheduler`` that owns progress. ``schedule(now)`` returns the scheduler's batch
-    as ``(seq, start, num_tokens, is_prefill)`` tuples; ``complete(now)`` does what the engine does after a
-    forward (``Scheduler.advance``, then ``update_from_output`` with a dummy token for every sequence
-    whose prompt is done) and returns the sequences that finished.
+    ``schedule(now)`` is the core's ``schedule`` at ``now``, returned as ``(seq, start, num_tokens, is_prefill)``
+    tuples and the batch's slots; ``complete(now)`` is the core's ``execute`` and ``update`` at ``now`` (the
+    step's end on the virtual clock): the scheduled tokens are computed, every sequence whose prompt is done gets
+    token 0, the token rules finish those at their output length; it returns the sequences that finished.
     """
 
-    DUMMY_TOKEN = 0
-
     def __init__(self, config):
-        from tinypaged.interfaces import KVCacheSpec
-        from tinypaged.kv.managers import build_kv_manager
-        from tinypaged.kv.sizing import size_kv_cache
-        from tinypaged.sched.scheduler import Scheduler, make_policy
+        from tinypaged.engine.core import EngineCore
 
-        config.finalize(config.max_model_len or 2048)
-        size = size_kv_cache(config)  # the engine's sizing; no model here, so the size must be in tokens
         if config.preemption_mode != "recompute":
             raise ValueError("the simulator models recompute preemption only (vLLM v1); "
                              "use preemption_mode='recompute'")
         self.config = config
-        spec = KVCacheSpec(size.num_blocks, size.block_size, config.max_model_len, config.enable_prefix_caching,
-                           config.reservation_policy)
-        self.kv = build_kv_manager(config, spec)
+        self.core = EngineCore(config, model=False)
+        self.kv, self.scheduler = self.core.kv, self.core.scheduler
         self.now = 0.0
-        self.scheduler = Scheduler(config, self.kv, make_policy(config), runner_batch=False)
         self._out = None
 
     def add(self, request_id: str, prompt_ids: list[int], output_len: int, arrival: float):
+        from tinypaged.engine.input_processor import Request
         from tinypaged.kv.managers import check_fits
         from tinypaged.sampling_params import SamplingParams
         from tinypaged.sequence import Sequence
@@ -77,27 +68,24 @@ class ModelFreeEngine:
             raise ValueError(f"Request {request_id} (prompt {len(prompt_ids)} + output {output_len} tokens) can "
                              f"never run: max_model_len is {self.config.max_model_len}")
         check_fits(self.kv, seq)
-        self.scheduler.add(seq)
+        self.core.add_requests([Request(request_id, None, list(prompt_ids), params, [seq])])
         return seq
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.core.has_unfinished_requests()
 
     def schedule(self, now: float) -> tuple[list[tuple], int]:
         """(batch, batch slots: the scheduled sequences plus a static batch's idle members)."""
         self.now = now
-        self._out = out = self.scheduler.schedule(now)
+        self._out = out = self.core.schedule(now)
         batch = [(s.seq, s.seq.num_computed_tokens, s.num_tokens, s.is_prefill) for s in out.scheduled]
         return batch, len(batch) + out.num_idle_slots
 
     def complete(self, now: float) -> list:
         self.now = now
         out, self._out = self._out, None
-        self.scheduler.advance(out)
-        sampling = [s.seq for s in out.scheduled if s.seq.num_computed_tokens == len(s.seq)]
-        # no EOS ids: output lengths are forced (ignore_eos), so only length ends a sequence
-        return self.scheduler.update_from_output(sampling, [self.DUMMY_TOKEN] * len(sampling), [0.0] * len(sampling),
-                                                 now)
+        step = self.core.update(out, self.core.execute(out), now=now)
+        return [seq for seq in step.sampled if seq.is_finished]
 
     @property
     def num_preemptions(self) -> int:

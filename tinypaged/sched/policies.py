@@ -1,4 +1,4 @@
-"""Stage 4: who runs in the next step. The scheduling policies, apart from the queues they act on.
+"""Stage 4: who runs in the next step. The step function and the orders it reads the queues in.
 
 * continuous batching (vLLM v1's iteration-level scheduling): ``schedule_step``, a pure function of
   the running and waiting requests, a token budget and a ``kv`` that allocates and frees. It is the
@@ -9,27 +9,22 @@
   arrival order with what is left. When the KV cache runs out, the most recently admitted running
   request is preempted. A step that preempted admits nothing new. What only the engine knows (forked
   samples' seats, chunked prefill switched off) its ``kv`` enforces, so the function is the lesson's.
-* priority (vLLM's ``scheduling_policy="priority"``): ``PriorityOrder`` runs the same ``schedule_step`` on the
-  requests ranked by ``(priority, arrival)``, lower first: the waiting queue in that order, and the running ones too,
-  so the step's victim, the last running request, is the one vLLM v1 preempts (the largest priority value, then the
-  latest arrival). One difference: running requests here take the token budget in that order, in vLLM v1 in
-  admission order; it matters only when the budget cannot cover every running request.
-* ``StaticBatching`` (the pre-Orca baseline, course-only): form a batch, run it until every member
-  finishes, then form the next. A request joins only when the memory it could ever need is
-  guaranteed, so nothing is preempted.
+* the order (``scheduling_policy``, one seam: ``tinypaged.interfaces.WaitingOrder``): ``FcfsOrder`` ("fcfs",
+  vLLM's default), ``PriorityOrder`` ("priority": the same step over requests ranked by ``(priority, arrival)``,
+  lower first, the waiting queue and the running requests alike, so the step's victim, the last running request, is
+  the one vLLM v1 preempts: the largest priority value, then the latest arrival; one difference: running requests
+  here take the token budget in that order, in vLLM v1 in admission order, which matters only when the budget cannot
+  cover every running request), and stage 7's ``CacheAwareOrder`` ("lpm", ``sched/radix_policy.py``).
+* static batching (the pre-Orca baseline, course-only) is a scheduler of its own: ``sched/static.py``.
 
 A learner's own ``schedule_step`` plugs in the same way: ``LLM(..., scheduler_cls=my_step)``.
 """
 
 from __future__ import annotations
 
-import itertools
-import sys
 from dataclasses import dataclass, field
 
-from tinypaged.interfaces import InvariantError
 from tinypaged.kv.block_pool import blocks_needed
-from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 
 
 # -- the continuous policy: one step, on plain objects ---------------------------------------------
@@ -140,8 +135,8 @@ class PlanPolicy:
 
     def __init__(self, step_fn=schedule_step):
         if not callable(step_fn):
-            raise TypeError(f"scheduler_cls must be a schedule_step-like function or an object with "
-                            f"schedule(scheduler); got {type(step_fn).__name__}")
+            raise TypeError(f"scheduler_cls must be a schedule_step-like function, an object with plan(...) or a "
+                            f"Scheduler subclass; got {type(step_fn).__name__}")
         self.step_fn = step_fn
 
     def plan(self, running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
@@ -153,15 +148,27 @@ def priority_key(seq) -> tuple:
     return seq.priority, seq.times.arrival
 
 
-class PriorityOrder:
-    """``scheduling_policy="priority"``: the continuous step (``schedule_step``, or a step function given) over the
-    requests ranked by ``priority_key``. ``waiting_order`` ranks the arrived waiting sequences (a stable sort: equal
-    keys keep queue order, so a preempted request goes back before its equals, as under fcfs); ``plan`` ranks the
-    running ones, so the step preempts the lowest-priority, latest-arrived running request first. Swapped groups
-    (``preemption_mode="swap"``, vLLM v0's, which had no priority policy) still resume before any waiting request."""
+# -- the waiting-order seam: who the step reads first -----------------------------------------------------
+class FcfsOrder:
+    """``scheduling_policy="fcfs"`` (vLLM's default): the queue as it stands, arrival order (a preempted request goes
+    back to the front), and running requests in admission order. The contract is ``tinypaged.interfaces.WaitingOrder``:
+    ``waiting_order(scheduler)`` gives the waiting sequences in the order the step reads them (those still to arrive
+    last), ``rank_running(requests)`` the running ones in the order they take the budget (the last one is the
+    step's first victim)."""
 
-    def __init__(self, step_fn=schedule_step):
-        self.inner = PlanPolicy(step_fn)
+    def waiting_order(self, sched):
+        return sched.waiting
+
+    def rank_running(self, running: list) -> list:
+        return running
+
+
+class PriorityOrder(FcfsOrder):
+    """``scheduling_policy="priority"``: requests ranked by ``priority_key``, lower first. ``waiting_order`` ranks the
+    arrived waiting sequences (a stable sort: equal keys keep queue order, so a preempted request goes back before
+    its equals, as under fcfs); ``rank_running`` ranks the running ones, so the step preempts the lowest-priority,
+    latest-arrived running request first. Swapped groups (``preemption_mode="swap"``, vLLM v0's, which had no
+    priority policy) still resume before any waiting request."""
 
     def waiting_order(self, sched):
         queue = list(sched.waiting)
@@ -170,80 +177,5 @@ class PriorityOrder:
             return sched.waiting
         return sorted(arrived, key=priority_key) + [s for s in queue if not sched.arrived(s)]
 
-    def plan(self, running, waiting, budget: int, max_num_seqs: int, kv) -> StepPlan:
-        ranked = sorted(running, key=lambda r: priority_key(r.seqs[0]))  # the engine's QueuedRequest
-        return self.inner.plan(ranked, waiting, budget, max_num_seqs, kv)
-
-
-# -- static batching ------------------------------------------------------------------------------------
-class StaticBatching:
-    """The batch is formed when nothing runs; its members prefill (as the budget allows), then
-    decode in lockstep; finished members leave idle slots until the last one is done."""
-
-    def __init__(self):
-        self.batch_size = 0
-
-    def _form_batch(self, sched) -> None:
-        """Admit arrived requests with ``schedule_step``'s own admission loop (first come, first served;
-        stop at the first that does not fit), nothing running, no token budget, and a ``kv`` that grants
-        a request only when its sequences (forks to come included) fit ``max_num_seqs`` and the memory it
-        could ever need is guaranteed next to the others' (``_Reservations``): a static batch never
-        preempts, and prefills its members over as many steps as their prompts need."""
-        arrived = (_Member(s.request_id, s.num_uncomputed_tokens, 1 + s.pending_forks, s)
-                   for s in itertools.takewhile(sched.arrived, sched.waiting))
-        plan = schedule_step([], arrived, sys.maxsize, sched.config.max_num_seqs, _Reservations(sched))
-        for member, _ in plan.scheduled:
-            sched.admit(member.seq)
-        self.batch_size = len(sched.running)
-
-    def schedule(self, sched) -> SchedulerOutput:
-        out = SchedulerOutput()
-        if not sched.running:
-            self._form_batch(sched)
-        budget = sched.config.max_num_batched_tokens
-        prefilling = [s for s in sched.running if not s.is_decoding]
-        for seq in prefilling or list(sched.running):
-            computed = sched.prefix_hit(seq)
-            num_new = seq.num_uncomputed_tokens - sched.hit_tokens(computed)
-            if out.scheduled and num_new > budget:
-                break  # this prompt prefills next step (the first one always fits: budget >= max_model_len)
-            if not sched.allocate(seq, num_new, computed):
-                raise RuntimeError("static batching reserved memory for this batch, yet allocation failed")
-            out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        out.num_idle_slots = max(self.batch_size - len(out.scheduled), 0)
-        return out
-
-
-@dataclass(eq=False)
-class _Member(PlanRequest):
-    """A waiting sequence as static batching's admission sees it."""
-
-    seq: object = None
-
-
-class _Reservations:
-    """The ``kv`` with which static batching runs ``schedule_step``'s admission: ``allocate`` grants a
-    request only if its sequences fit ``max_num_seqs`` beside those admitted and its lifetime need (its
-    ``max_tokens_needed``, in whole blocks, for each sequence) fits the free memory beside theirs; a
-    contiguous manager reserves it then (``allocate_slots(seq, 0)``)."""
-
-    def __init__(self, sched):
-        kv = sched.kv
-        self.kv, self.max_num_seqs = kv, sched.config.max_num_seqs
-        self.free_tokens = round((1.0 - kv.usage) * kv.capacity_tokens)
-        self.seats = sched.num_running_seqs()
-
-    def allocate(self, req: _Member, n: int) -> bool:
-        kv = self.kv
-        if self.seats + req.num_seqs > self.max_num_seqs:
-            return False
-        need = blocks_needed(kv.max_tokens_needed(req.seq), kv.block_size) * kv.block_size * req.num_seqs
-        if need > self.free_tokens or not kv.allocate_slots(req.seq, 0):  # a contiguous manager reserves here
-            return False
-        self.free_tokens -= need
-        self.seats += req.num_seqs
-        return True
-
-    def free(self, req) -> None:
-        raise InvariantError("static batching never preempts: nothing runs while a batch is formed")
+    def rank_running(self, running: list) -> list:
+        return sorted(running, key=lambda r: priority_key(r.seqs[0]))  # the adapter's QueuedRequest

@@ -1,6 +1,8 @@
 """Preemption (stage 4): a running sequence gives its KV memory back, by recompute (vLLM v1) or by swapping
 to CPU memory with its running siblings (vLLM v0); a preempted group goes back to the front of its queue.
-Functions of the scheduler's state, called by the scheduler and its plan adapter (``StepKV``) only.
+Functions of the scheduler's state, called by the scheduler and its plan adapter (``StepKV``) only; each comes in
+two halves, memory (``release``, ``swap_in``) and queues (``settle``, ``resume``), so that the adapter changes the
+queues once, after the step has decided.
 
 Swapping here only decides: the KV manager picks the blocks and records the data moves, which the scheduler
 hands the worker in the step's ``SchedulerOutput`` (``blocks_to_swap_out`` / ``blocks_to_swap_in``); the
@@ -35,32 +37,47 @@ def recompute_stuck_swapped(sched) -> None:
 
 
 def preempt(sched, seq: Sequence, requeue: bool = True) -> list[Sequence]:
-    """Take ``seq`` off the running list. Recompute (vLLM v1): free its blocks, keep its tokens,
-    re-queue it at the front. Swap (vLLM v0, ``preemption_mode="swap"``): move it and its running
-    siblings to CPU memory together, so blocks they share stay shared. Returns who was preempted;
-    with ``requeue=False`` the caller puts them back with ``requeue_group`` later."""
-    siblings = [s for s in sched.running if s.request_id == seq.request_id]
+    """Preempt ``seq`` now: ``release`` its memory, then ``settle`` the queues. Returns who was preempted; with
+    ``requeue=False`` the caller puts them back with ``requeue_group`` later."""
+    group, swapped = release(sched, seq)
+    settle(sched, group, swapped)
+    if requeue:
+        requeue_group(sched, group)
+    return group
+
+
+def release(sched, seq: Sequence, gone=frozenset()) -> tuple[list[Sequence], bool]:
+    """The memory side of preempting running ``seq``, touching no queue: swap (vLLM v0, ``preemption_mode="swap"``)
+    moves it and its running siblings to CPU memory together, so blocks they share stay shared; recompute (vLLM v1,
+    or when the swap space is full) frees its blocks and keeps its tokens. ``gone``: ids of sequences already
+    released in this step (still in ``running`` until the step settles). Returns ``(group, swapped)``."""
+    siblings = [s for s in sched.running if s.request_id == seq.request_id and s.seq_id not in gone]
     swap = sched.config.preemption_mode == "swap" and sched.kv.can_swap_out(siblings)
     group = siblings if swap else [seq]
+    if swap:
+        sched.kv.swap_out(group)  # the data moves go to the step's output
+    else:
+        sched.kv.free(seq)
+    return group, swap
+
+
+def settle(sched, group: list[Sequence], swapped: bool) -> None:
+    """The queue side of a preemption ``release`` made: the group leaves ``running``, SWAPPED (its KV on the CPU) or
+    WAITING with nothing computed (recompute)."""
     for s in group:
         sched.running.remove(s)
         sched.num_preemptions += 1
         s.num_preemptions += 1
-    if swap:
-        sched.kv.swap_out(group)  # the data moves go to the step's output
-        for s in group:
+        if swapped:
             s.status = SequenceStatus.SWAPPED
-        how = f"swapped {len(group)} sequence(s) to CPU memory"
-    else:
-        sched.kv.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        how = f"freed its blocks; {len(seq)} tokens will be recomputed"
-    if requeue:
-        requeue_group(sched, group)
+        else:
+            s.num_computed_tokens = 0
+            s.status = SequenceStatus.WAITING
+    seq = group[0]
+    how = (f"swapped {len(group)} sequence(s) to CPU memory" if swapped else
+           f"freed its blocks; {len(seq)} tokens will be recomputed")
     logger.warning("Preempted sequence %d (request %s): %s. Total preemptions: %d",
                    seq.seq_id, seq.request_id, how, sched.num_preemptions)
-    return group
 
 
 def requeue_group(sched, group: list[Sequence]) -> None:
@@ -72,11 +89,16 @@ def requeue_group(sched, group: list[Sequence]) -> None:
 
 
 def swap_in(sched, group: list[Sequence], num_new_tokens: int = 1) -> bool:
-    """Bring a swapped group back (all or nothing), with room for each one's next tokens; it runs again."""
+    """The memory side of bringing a swapped group back (all or nothing), with room for each one's next tokens;
+    ``resume`` then puts it back in ``running``."""
     if not sched.kv.can_swap_in(group, num_new_tokens):
         return False
     sched.kv.swap_in(group)  # the data moves go to the step's output
+    return True
+
+
+def resume(sched, group: list[Sequence]) -> None:
+    """A group swapped back in leaves ``swapped`` and runs again."""
     sched.swapped.remove(group)
     for s in group:
         sched.start_running(s)
-    return True

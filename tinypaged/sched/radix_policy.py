@@ -1,11 +1,10 @@
 """Stage 7: cache-aware scheduling, SGLang's ``lpm`` (longest prefix match first) and ``dfs-weight``.
 
 SGLang's policy only *orders* the waiting queue (``managers/schedule_policy.py``, ``calc_priority``);
-admission then runs as usual. Here too: ``CacheAwareOrder`` gives the scheduler the order in which
-the engine's own continuous step (``tinypaged.sched.policies.PlanPolicy``, or any plan policy given as
-``inner``) reads the waiting queue (``waiting_order``), and changes nothing else; an inner policy object
-with ``schedule(scheduler)`` gets a view of the scheduler whose ``waiting`` is reordered. Admission, the
-token budget, preemption and the checks are the inner policy's.
+admission then runs as usual. Here too: ``CacheAwareOrder`` is an order (``tinypaged.interfaces.WaitingOrder``,
+the seam ``scheduling_policy`` names): it gives the scheduler the order in which the step function
+(``schedule_step``, or ``scheduler_cls``'s) reads the waiting queue (``waiting_order``), and changes nothing
+else. Admission, the token budget, preemption and the checks are the step's and the scheduler's.
 
 * ``"lpm"`` (SGLang paper and today): arrived requests with the longest cached prefix go first (ties
   keep arrival order): ``lpm_order``, stage 7's assignment (part b) line for line. Works with any KV manager's
@@ -31,38 +30,18 @@ from tinypaged.kv.radix_cache import node_tokens, tree_nodes
 ORDERS = ("lpm", "dfs-weight", "fcfs")
 
 
-class _ReorderedView:
-    """The scheduler, with ``waiting`` replaced by a reordered copy; everything else is the scheduler's own
-    (``admit`` removes from the real queue whatever the order)."""
-
-    def __init__(self, sched, waiting):
-        self._sched, self.waiting = sched, waiting
-
-    def __getattr__(self, name):
-        return getattr(self._sched, name)
-
-
 class CacheAwareOrder:
-    """A ``SchedulingPolicy``: ``LLM(scheduler_cls=CacheAwareOrder("lpm"))`` (``scheduling_policy="lpm"`` names the same order)."""
+    """A ``WaitingOrder``: ``LLM(scheduling_policy=CacheAwareOrder(order))``, ``order`` a name or a learner's function
+    (``scheduling_policy="lpm"`` names ``CacheAwareOrder("lpm")``)."""
 
-    def __init__(self, order: str = "lpm", fcfs_above: int = 128, inner=None):
+    def __init__(self, order: str = "lpm", fcfs_above: int = 128):
         if not callable(order) and order not in ORDERS:
             raise ValueError(f"order={order!r}: use one of {', '.join(ORDERS)}, or a function "
                              f"order(seqs, cached_tokens) -> seqs in the order to admit them")
         if fcfs_above < 0:
             raise ValueError(f"fcfs_above must be >= 0, got {fcfs_above}")
-        if inner is None:
-            from tinypaged.sched.policies import PlanPolicy
-
-            inner = PlanPolicy()
-        self.order, self.fcfs_above, self.inner = order, fcfs_above, inner
+        self.order, self.fcfs_above = order, fcfs_above
         self.num_reordered = 0  # steps whose admission order differed from arrival order
-
-    @property
-    def plan(self):
-        """The inner policy's plan (an ``AttributeError`` when it has none: the scheduler then calls
-        ``schedule``)."""
-        return self.inner.plan
 
     def waiting_order(self, sched):
         """The waiting queue in admission order: arrived requests ranked, then those still to arrive."""
@@ -75,9 +54,9 @@ class CacheAwareOrder:
             self.num_reordered += 1
         return deque(ordered + [s for s in queue if not sched.arrived(s)])
 
-    def schedule(self, sched):
-        """For an inner policy object: it reads the reordered queue through a view of the scheduler."""
-        return self.inner.schedule(_ReorderedView(sched, self.waiting_order(sched)))
+    def rank_running(self, running: list) -> list:
+        """Running requests keep admission order (SGLang orders only the waiting queue)."""
+        return running
 
     def rank(self, sched, arrived: list) -> list:
         cached = lambda s: sched.hit_tokens(sched.prefix_hit(s))  # noqa: E731

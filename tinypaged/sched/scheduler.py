@@ -2,16 +2,18 @@
 
 The ``Scheduler`` owns the queues (``waiting``, ``running``, and ``swapped`` for vLLM v0's swap
 preemption) and each sequence's progress: it admits, preempts, advances ``num_computed_tokens``
-after a forward, appends tokens, finishes and frees. *Which* sequences run is decided by a
-scheduling policy (``tinypaged.sched.policies``; the contract is ``tinypaged.interfaces.SchedulingPolicy``).
+after a forward, appends tokens, finishes and frees. One step, straight down (``schedule``):
 
-Continuous batching is the exercise's ``schedule_step`` itself: a plan policy (one with ``plan``:
-``PlanPolicy``, ``CacheAwareOrder``) only decides; ``schedule`` runs its ``plan`` through the one
-adapter, ``tinypaged.sched.step_adapter.StepKV``, which applies it to the queues and the KV manager.
-A policy object with ``schedule(scheduler)`` instead (``StaticBatching``, a plug-in) acts through the
-scheduler's actions. Either way the step's output is a ``tinypaged.sched.output.SchedulerOutput``,
-with the KV manager's block moves of the step (``take_block_moves``: its swaps and copy-on-write copies,
-which the worker makes), checked here (``check_schedule``) and given the runner's data (``make_batch``).
+1. ``form_step``: the step function (``step.plan``: the lesson's ``schedule_step``, or ``scheduler_cls``'s) over the
+   running requests and the waiting ones, both in the order ``scheduling_policy`` names (``order``: fcfs, priority,
+   lpm; ``tinypaged.interfaces.WaitingOrder``), with the plan adapter (``tinypaged.sched.step_adapter.StepKV``) as
+   its ``kv``, which acts on the real KV manager and applies the plan. A scheduler of another kind replaces only
+   this method (static batching: ``tinypaged.sched.static.StaticScheduler``; vLLM's ``scheduler_cls`` takes a
+   scheduler class the same way).
+2. the KV manager's block moves of the step (``take_block_moves``: swaps and copy-on-write copies) go into the
+   step's ``tinypaged.sched.output.SchedulerOutput``, for the worker to make;
+3. ``check_schedule`` checks it; ``make_batch`` gives it the runner's data.
+
 The scheduler is the only writer of a ``Sequence``'s progress, queue status and finish.
 """
 
@@ -23,9 +25,8 @@ from collections import deque
 from tinypaged.interfaces import InvariantError
 from tinypaged.sched.batch import check_no_overwrite, make_batch
 from tinypaged.sched.output import SchedulerOutput
-from tinypaged.sched.policies import PlanPolicy, PriorityOrder, StaticBatching, schedule_step
+from tinypaged.sched.policies import FcfsOrder, PlanPolicy
 from tinypaged.sched.preemption import preempt, recompute_stuck_swapped
-from tinypaged.sched.radix_policy import CacheAwareOrder
 from tinypaged.sampling.sampler import check_stop, sample_generator
 from tinypaged.sched.step_adapter import StepKV
 from tinypaged.sequence import FinishReason, Sequence, SequenceStatus
@@ -35,8 +36,9 @@ logger = logging.getLogger("tinypaged")
 
 # -- the scheduler: queues, actions and progress ----------------------------------------------------
 class Scheduler:
-    """Queues and progress of every sequence; a plan policy's step acts through ``StepKV``, a policy
-    object through the scheduler's actions (``allocate``, ``admit``, ``preempt``).
+    """Queues and progress of every sequence. ``step``: the step function's plan policy (``PlanPolicy``, default
+    ``schedule_step``); ``order``: the waiting order (``FcfsOrder`` by default). A subclass that forms its steps
+    another way overrides ``form_step`` and acts through the actions (``allocate``, ``admit``, ``preempt``).
 
     Invariants: a sequence is in at most one queue, and its status says which (RUNNING: ``running``,
     in admission order; WAITING: ``waiting``; SWAPPED: ``swapped``, whole groups of siblings); only
@@ -44,12 +46,14 @@ class Scheduler:
     ``preemption``).
     """
 
-    def __init__(self, config, kv_manager, policy, check_invariants: bool = False, runner_batch: bool = True):
+    def __init__(self, config, kv_manager, step=None, order=None, check_invariants: bool = False,
+                 runner_batch: bool = True):
         self.config = config
         self.check_invariants = check_invariants  # check_no_overwrite each step (on for plug-ins)
         self.runner_batch = runner_batch  # make the runner's data (off in the lab's simulator: no model)
         self.kv = kv_manager
-        self.policy = policy
+        self.step = PlanPolicy() if step is None else step
+        self.order = FcfsOrder() if order is None else order
         self.now = float("inf")  # the step's time, given to schedule() (data: the scheduler calls nobody for it)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -72,17 +76,12 @@ class Scheduler:
 
     def schedule(self, now: float = float("inf")) -> SchedulerOutput:
         """The next step at time ``now`` (the engine's clock; requests that arrive later wait; the default: all
-        have arrived): a plan policy's plan applied by the adapter (or a policy object's own output), checked,
-        then given the runner's data (``out.batch``)."""
+        have arrived): formed (``form_step``), given the step's block moves, checked, then given the runner's data
+        (``out.batch``)."""
         self.now = now
         recompute_stuck_swapped(self)
         head_arrived = bool(self.waiting) and self.arrived(self.waiting[0])
-        policy = self.policy
-        if hasattr(policy, "plan"):  # it decides, the adapter applies: nobody calls back
-            order = getattr(policy, "waiting_order", None)
-            out = StepKV(self, None if order is None else order(self)).run(policy.plan)
-        else:
-            out = policy.schedule(self)
+        out = self.form_step()
         take_moves = getattr(self.kv, "take_block_moves", None)  # a paged manager's copies and swaps, for the worker
         if take_moves is not None:
             out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy = take_moves()
@@ -98,7 +97,12 @@ class Scheduler:
                 check_no_overwrite(out, self.kv)
         return out
 
-    # -- actions for policies -----------------------------------------------------------------
+    def form_step(self) -> SchedulerOutput:
+        """Continuous batching: the step function decides over the requests in the order's ranking; the adapter is
+        its ``kv`` and applies its plan. Nobody calls back: scheduler -> adapter -> step -> adapter -> KV manager."""
+        return StepKV(self, self.order.waiting_order(self)).run(self.step.plan, self.order.rank_running)
+
+    # -- actions (the adapter's, and a subclass's form_step) -----------------------------------------------------------------
     def prefix_hit(self, seq) -> list:
         """Cached blocks holding the start of ``seq`` (empty unless prefix caching finds some)."""
         return self.kv.get_computed_blocks(seq)
@@ -136,7 +140,7 @@ class Scheduler:
         self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> list[Sequence]:
-        """For policy objects: preempt ``seq`` now (``tinypaged.sched.preemption.preempt``)."""
+        """Preempt ``seq`` now (``tinypaged.sched.preemption.preempt``)."""
         return preempt(self, seq)
 
     # -- progress (after the forward) ------------------------------------------------------------
@@ -244,35 +248,3 @@ def check_schedule(out: SchedulerOutput, sched: Scheduler) -> None:
     if sched.num_running_seqs() > cfg.max_num_seqs:
         raise InvariantError(f"{sched.num_running_seqs()} sequences are running (forks to come included), "
                              f"over max_num_seqs={cfg.max_num_seqs}")
-
-
-def make_policy(config):
-    """The policy that ``config.scheduler_cls`` and ``config.scheduling_policy`` name: with no ``scheduler_cls``,
-    "fcfs" (``schedule_step``, vLLM v1's rules), "priority" (``PriorityOrder``: the same step over requests ranked
-    by priority, then arrival) or "lpm" (stage 7's ``CacheAwareOrder("lpm")``); else ``_custom_scheduler``.
-    ``EngineConfig.verify`` has checked both (old spellings are errors there)."""
-    p = config.scheduling_policy
-    if config.scheduler_cls is not None:
-        return _custom_scheduler(config.scheduler_cls, p)
-    if p == "priority":
-        return PriorityOrder()
-    if p == "lpm":
-        return CacheAwareOrder("lpm")
-    return PlanPolicy(schedule_step)  # "fcfs"
-
-
-def _custom_scheduler(cls, order: str):
-    """``scheduler_cls`` (vLLM's knob for a custom scheduler) in ``order``, ``scheduling_policy``'s name:
-    "static", or a plug-in step (a function or a plan policy; "priority" and "lpm" rank the requests it plans
-    over) or policy object. ``EngineConfig.verify`` has checked that the two go together."""
-    if isinstance(cls, str):
-        return StaticBatching()
-    if isinstance(cls, type):
-        cls = cls()
-    if not (hasattr(cls, "plan") or hasattr(cls, "schedule")):
-        cls = PlanPolicy(cls)
-    if order == "priority":
-        return PriorityOrder(cls.plan)
-    if order == "lpm":
-        return CacheAwareOrder("lpm", inner=cls)
-    return cls

@@ -1,9 +1,9 @@
 """Stage 4's plan adapter: the one place a ``schedule_step``-shaped plan meets the real queues and KV cache.
 
-``Scheduler.schedule`` runs a plan policy's step function through ``StepKV`` (``StepKV(scheduler,
-waiting).run(policy.plan)``): the step sees the scheduler's own requests (``QueuedRequest``: running
-sequences, then swapped groups and arrived waiting sequences, read lazily, in the policy's order if it
-gives one) and this adapter as its ``kv``, whose ``allocate`` / ``free`` act on the KV manager and the
+``Scheduler.form_step`` runs the step function through ``StepKV`` (``StepKV(scheduler,
+waiting).run(step.plan, order.rank_running)``): the step sees the scheduler's own requests (``QueuedRequest``:
+running sequences, then swapped groups and arrived waiting sequences, read lazily, both in the order
+``scheduling_policy`` names) and this adapter as its ``kv``, whose ``allocate`` / ``free`` act on the KV manager and the
 queues at once; ``output(plan)`` applies the plan it returns (admissions) and makes the step's
 ``SchedulerOutput``. The policy never calls the scheduler, and the scheduler never calls the policy
 back: scheduler -> adapter -> step function -> adapter -> KV manager.
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from tinypaged.interfaces import InvariantError
 from tinypaged.sched.output import ScheduledSeq, SchedulerOutput
 from tinypaged.sched.policies import PlanRequest
-from tinypaged.sched.preemption import preempt, requeue_group, swap_in
+from tinypaged.sched.preemption import release, requeue_group, resume, settle, swap_in
 from tinypaged.sequence import Sequence, SequenceStatus
 
 
@@ -63,18 +63,19 @@ class _LazyList(collections.abc.Sequence):
 
 
 class StepKV:
-    """The ``kv`` a ``schedule_step`` drives: the scheduler's KV manager and queues, for one step.
+    """The ``kv`` a ``schedule_step`` drives: the scheduler's KV manager, for one step; the queues change once, after
+    the step has decided (``settle``), so the step reads queues that stay as they were.
 
     * ``allocate(req, n)`` reserves room for ``n`` more tokens of ``req`` now and says whether it
       could: a waiting sequence with its prefix-cache hit; a swapped group is swapped back in (all
-      or nothing, every sibling with all its tokens) and runs again. It refuses a waiting request
-      what the configuration forbids (``admissible``): more sequences than ``max_num_seqs`` (its
-      samples to fork count from the start), or, without chunked prefill, part of its prompt.
-    * ``free(req)`` preempts a running ``req`` now (recompute; or swap, taking its running siblings
+      or nothing, every sibling with all its tokens). It refuses a waiting request what the
+      configuration forbids (``admissible``): more sequences than ``max_num_seqs`` (its samples to
+      fork count from the start), or, without chunked prefill, part of its prompt.
+    * ``free(req)`` releases a running ``req``'s memory now (recompute; or swap, taking its running siblings
       along: a sibling swapped out that way is left out of this step even if the step allocates it).
-    * ``run(step_fn)`` calls the step; ``output(plan)`` applies the plan (admits the scheduled waiting
-      sequences) and returns the step's ``SchedulerOutput``; ``requeue()`` then puts the preempted at
-      the front of their queues (not before: the waiting queue does not change while a step reads it).
+    * ``run(step_fn, rank_running)`` calls the step, then ``settle``s the queues (preempted groups leave
+      ``running`` and go to the front of their queues, swapped-in groups run again), then ``output(plan)`` admits
+      the scheduled waiting sequences and returns the step's ``SchedulerOutput``.
 
     Rules it enforces (``InvariantError``): a plan lists the request objects it was given, each with
     exactly the tokens ``allocate`` granted it; no waiting request keeps an allocation it was not
@@ -83,30 +84,32 @@ class StepKV:
 
     def __init__(self, sched, waiting=None):
         self.sched = sched
-        self.waiting = sched.waiting if waiting is None else waiting  # a policy may reorder it (CacheAwareOrder)
+        self.waiting = sched.waiting if waiting is None else waiting  # in the order's ranking
         self.allocated: dict[QueuedRequest, int] = {}
-        self.preempted: list[Sequence] = []
-        self.victims: list[list[Sequence]] = []  # preempted groups, to requeue when the step is over
-        self.swept: set[int] = set()  # seq ids swapped out together with a preempted sibling
-        self.seats: int | None = None  # sequences running or admitted this step (forks to come included)
+        self.released: list[tuple[list[Sequence], bool]] = []  # (group, swapped) per preemption, in order
+        self.gone: set[int] = set()  # ids of the sequences released this step
+        self.swept: set[int] = set()  # of those, the siblings swapped out along with the one freed
+        self.resumed: list[list[Sequence]] = []  # swapped groups swapped back in this step
+        self.seats = sched.num_running_seqs()  # sequences running or admitted this step (forks to come included)
 
-    def run(self, step_fn) -> SchedulerOutput:
-        """One step: the running sequences, the waiting side (read lazily), the budget, and this as ``kv``."""
+    def run(self, step_fn, rank_running=list) -> SchedulerOutput:
+        """One step: the running sequences (ranked by ``rank_running``), the waiting side (read lazily), the budget,
+        and this as ``kv``."""
         cfg, sched = self.sched.config, self.sched
-        running = [QueuedRequest.of((s,), s.num_uncomputed_tokens) for s in sched.running]
+        running = rank_running([QueuedRequest.of((s,), s.num_uncomputed_tokens) for s in sched.running])
         try:
             plan = step_fn(running, _LazyList(self._queued()), cfg.max_num_batched_tokens, cfg.max_num_seqs, self)
-            return self.output(plan)
         finally:
-            self.requeue()
+            self.settle()  # also when the step raised: the memory it moved and the queues agree
+        return self.output(plan)
 
     def _queued(self):
         """The waiting side: swapped groups first (vLLM v0 resumed them before new requests), then
         arrived waiting sequences in queue order, each with its prefix-cache hit."""
         sched = self.sched
-        for group in list(sched.swapped):  # a few groups at most (swap space is small), changed by swap-ins
+        for group in list(sched.swapped):  # a few groups at most (swap space is small)
             yield QueuedRequest.of(group, sum(s.num_uncomputed_tokens for s in group), waiting=True)
-        for seq in self.waiting:  # unchanged during a step: admissions and requeues come after it
+        for seq in self.waiting:  # unchanged during a step: the queues settle after it
             if not sched.arrived(seq):
                 return
             computed = sched.prefix_hit(seq)
@@ -149,8 +152,6 @@ class StepKV:
         cfg = self.sched.config
         if not cfg.enable_chunked_prefill and n < req.num_new_tokens:
             return False
-        if self.seats is None:
-            self.seats = self.sched.num_running_seqs()
         return self.seats + req.num_seqs <= cfg.max_num_seqs
 
     def _swap_in(self, req: QueuedRequest, n: int) -> bool:
@@ -160,6 +161,7 @@ class StepKV:
             return False
         if not swap_in(self.sched, group, n if lone else max(s.num_uncomputed_tokens for s in group)):
             return False
+        self.resumed.append(group)
         for s in group:
             if not self.sched.allocate(s, n if lone else s.num_uncomputed_tokens):
                 raise InvariantError("a swapped-in sequence found no room for its next tokens")
@@ -171,17 +173,27 @@ class StepKV:
             raise InvariantError(f"kv.free was called on waiting request {req.request_id}: only running "
                                  f"requests can be preempted")
         seq = req.seqs[0]
-        if seq.status is not SequenceStatus.RUNNING:
-            return  # preempted earlier in this step (with a sibling): nothing left to free
-        group = preempt(self.sched, seq, requeue=False)
-        if self.seats is not None:
-            self.seats -= sum(1 + s.pending_forks for s in group)
-        self.victims.append(group)
-        self.preempted += group
+        if seq.seq_id in self.gone:
+            return  # released earlier in this step (with a sibling): nothing left to free
+        group, swapped = release(self.sched, seq, self.gone)
+        self.seats -= sum(1 + s.pending_forks for s in group)
+        self.released.append((group, swapped))
+        self.gone.update(s.seq_id for s in group)
         self.swept.update(s.seq_id for s in group if s is not seq)
 
+    def settle(self) -> None:
+        """The queues catch up with the step, once: preempted groups leave ``running`` and go back to the front of
+        their queues (the latest preempted first in line), swapped-in groups run again."""
+        sched = self.sched
+        for group, swapped in self.released:
+            settle(sched, group, swapped)
+        for group, _ in self.released:
+            requeue_group(sched, group)
+        for group in self.resumed:
+            resume(sched, group)
+
     def output(self, plan) -> SchedulerOutput:
-        out = SchedulerOutput(preempted=list(self.preempted))
+        out = SchedulerOutput(preempted=[s for group, _ in self.released for s in group])
         scheduled = set()
         for req, n in plan.scheduled:
             if not isinstance(req, QueuedRequest):
@@ -203,8 +215,3 @@ class StepKV:
             raise InvariantError(f"schedule_step allocated KV for waiting request(s) {leaked} but did not "
                                  f"schedule them")
         return out
-
-    def requeue(self) -> None:
-        for group in self.victims:
-            requeue_group(self.sched, group)
-        self.victims = []

@@ -2,7 +2,7 @@
 be transformers' tokens for the same prompts.
 
 The implementation under test is a dict of ``LLM`` keyword arguments (the engine's plug-in points:
-``kv_cache_manager=``, ``scheduler_cls=``, ``attention_backend=``) built by a given cell of the
+``kv_cache_manager=``, ``scheduler_cls=``, ``scheduling_policy=``, ``attention_backend=``) built by a given cell of the
 notebook from the learner's classes and functions. The expected tokens come from
 ``transformers``' ``generate`` on the same weights (``hf_greedy``), computed in whichever process judges,
 so the grader never takes the kernel's word for them. A check may also assert facts about the run that
@@ -17,7 +17,7 @@ import os
 import types
 
 from tinypaged.course.checks import Case, register
-from tinypaged.sched.policies import StaticBatching
+from tinypaged.sched.static import StaticScheduler
 
 MODEL = "smollm2-135m"
 CALLED = "the engine called every plug-in of your notebook"
@@ -93,7 +93,7 @@ def counted_plugins(impl: dict) -> tuple[dict, dict]:
     for key, value in impl.items():
         if isinstance(value, type) and key == "kv_cache_manager":
             out[key] = lambda spec, _c=value, _k=key: _counting(_c(spec), _k, counts)
-        elif isinstance(value, type):
+        elif isinstance(value, type) and not hasattr(value, "form_step"):  # a Scheduler subclass stays a class
             out[key] = _counting(value(), key, counts)
         elif isinstance(value, types.FunctionType) and not (hasattr(value, "decode") or hasattr(value, "write")):
             @functools.wraps(value)
@@ -102,8 +102,8 @@ def counted_plugins(impl: dict) -> tuple[dict, dict]:
                 return _f(*a, **k)
 
             out[key] = fn
-        elif hasattr(value, "decode") or hasattr(value, "write") or hasattr(value, "schedule"):
-            out[key] = _counting(value, key, counts)  # an attention backend, a writer, a scheduling policy
+        elif any(hasattr(value, m) for m in ("decode", "write", "plan", "waiting_order")):
+            out[key] = _counting(value, key, counts)  # an attention backend, a writer, a step, an order
         else:
             out[key] = value
     return out, counts
@@ -152,16 +152,16 @@ def hf_greedy(prompts: tuple[str, ...], max_tokens: int) -> tuple[tuple[int, ...
     return tuple(out)
 
 
-class OneAtATime(StaticBatching):
+class OneAtATime(StaticScheduler):
     """Course-only scheduling for the serving checks of stages 1-3 (``engine_kwargs``): static batching with batches
     of one request, admitted in arrival order. Both built-in policies run stage 4's graded ``schedule_step`` (static
     batching for its admission), which the grader's edition of an earlier stage stubs; this one does not. Greedy
     tokens do not depend on the schedule, so transformers' tokens remain the expectation."""
 
-    def _form_batch(self, sched) -> None:
-        if sched.waiting and sched.arrived(sched.waiting[0]):
-            sched.admit(sched.waiting[0])
-        self.batch_size = len(sched.running)
+    def form_batch(self) -> None:
+        if self.waiting and self.arrived(self.waiting[0]):
+            self.admit(self.waiting[0])
+        self.batch_size = len(self.running)
 
 
 def serving_check(stage: str, name: str, prompts: tuple[str, ...], max_tokens: int, engine_kwargs: dict,

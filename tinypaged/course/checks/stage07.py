@@ -323,7 +323,7 @@ def _preflight(impl):
     why = reuse_of_reference(get("radix_tree"), type(tree)) if tree is not None else "there is no tree"
     if why:
         raise TypeError(f"the manager's tree must be your RadixTree: {why}")
-    order = getattr(impl.get("scheduler_cls"), "order", None)
+    order = getattr(impl.get("scheduling_policy"), "order", None)
     why = reuse_of_reference(get("lpm_order"), order) if callable(order) else f"its order is {order!r}"
     if why:
         raise TypeError(f"the scheduling policy must order by your lpm_order: {why}")
@@ -350,7 +350,7 @@ serving_check("07", "serve_radix",
               max_tokens=8,
               engine_kwargs=dict(block_size=4, num_gpu_blocks_override=8, max_model_len=64, max_num_seqs=1,
                                  dtype="float32", device="cpu"),
-              preflight=_preflight, adapters=("kv_cache_manager", "scheduler_cls"),
+              preflight=_preflight, adapters=("kv_cache_manager", "scheduling_policy"),
               facts=[("cache-aware order ran the repeated prompt before the second one", _reordered),
                      ("the repeat found all but its last prompt token cached", _whole_hit)],
               uses=("RadixTree", "lpm_order"), points=0)
