@@ -80,6 +80,44 @@ def test_a_plan_policy_is_asked_once_per_step_and_never_calls_the_scheduler(refe
         assert Counting.calls == len(steps) > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_queues_change_once_after_the_plan(mode, reference):
+    """While the step function decides, the scheduler's queues stay as they were: ``kv.allocate`` and ``kv.free``
+    act on the KV manager only, and the queues settle after the plan (preempted requests leave ``running`` and go
+    back to the front of their queue, swapped-in groups run again, the scheduled waiting ones are admitted).
+    The cache is small enough that steps preempt, and the tokens are the reference's."""
+    checked = {"calls": 0, "frees": 0}
+
+    def watching_step(running, waiting, budget, max_num_seqs, kv):
+        sched = kv.sched  # the test peeks; the step function itself is never handed the scheduler
+        before = ([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting],
+                  [[s.seq_id for s in g] for g in sched.swapped])
+
+        class Watched:
+            def allocate(self, req, n):
+                ok = kv.allocate(req, n)
+                self.same()
+                return ok
+
+            def free(self, req):
+                kv.free(req)
+                checked["frees"] += 1
+                self.same()
+
+            @staticmethod
+            def same():
+                checked["calls"] += 1
+                now = ([s.seq_id for s in sched.running], [s.seq_id for s in sched.waiting],
+                       [[s.seq_id for s in g] for g in sched.swapped])
+                assert now == before, "the queues changed while the step was deciding"
+
+        return schedule_step(running, waiting, budget, max_num_seqs, Watched())
+
+    llm = tiny(num_gpu_blocks_override=6, scheduler_cls=watching_step, preemption_mode=mode)
+    assert token_ids(llm.generate(PROMPTS, PARAMS)) == reference
+    assert checked["frees"] > 0, "the cache was meant to make the steps preempt"
+
+
 def test_static_batching_admits_with_schedule_steps_loop(monkeypatch, reference):
     """One FCFS admission loop: static batching forms its batches by running ``schedule_step``."""
     import tinypaged.sched.static as static
