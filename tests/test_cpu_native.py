@@ -4,8 +4,10 @@ the torch code runs."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
+import types
 
 import pytest
 import torch
@@ -247,8 +249,8 @@ def test_no_cpp_operator_takes_the_whole_model():
 
     source = cpu_native.SOURCE.read_text()
     schemas = re.findall(r'm\.def\("([^(]+)\(((?:[^"]|"\s*")*)\)', source)
-    assert sorted(name for name, _ in schemas) == ["add_rms_norm", "decode_attention", "rope_", "silu_mul", "write_kv"], \
-        schemas
+    assert sorted(name for name, _ in schemas) == ["add_rms_norm", "decode_attention", "rope_", "row_max_lse",
+                                                   "silu_mul", "write_kv"], schemas
     for name, args in schemas:
         assert "[]" not in args, f"{name} takes a list of tensors: {args}"
     assert "TensorList" not in source and "layers" not in re.sub(r"//[^\n]*", "", source)
@@ -311,3 +313,165 @@ def test_write_kv_puts_each_row_in_its_slot_and_refuses_a_slot_outside_first():
     with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 20 is outside the cache's 20 slots"):
         native.write_kv(kc, vc, k[:2], v[:2], torch.tensor([1, 20]))
     assert torch.equal(kc, before)
+
+
+def lse_and_max(logits):
+    """What the sampler's torch code computes: ``torch.logsumexp`` and ``torch.max``'s indices."""
+    return torch.logsumexp(logits, dim=-1), logits.max(dim=-1).indices
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (16, 49152), (64, 1000), (3, 17), (5, 4097), (2, 1), (4, 12289)])
+def test_row_max_lse_equals_logsumexp_and_the_first_maximum(ops, rows, vocab):
+    """Random rows of several spreads (vocab sizes that are not multiples of 16, or of the operator's chunk), then
+    ties: the row's maximum copied further on, in the same chunk and in later ones; the first copy is the answer."""
+    g = torch.Generator().manual_seed(rows * 100003 + vocab)
+    for spread in (0.1, 4.0, 30.0):
+        logits = torch.randn(rows, vocab, generator=g) * spread
+        lse, argmax = ops.row_max_lse(logits)
+        want_lse, want_argmax = lse_and_max(logits)
+        assert lse.dtype == torch.float32 and argmax.dtype == torch.long and lse.shape == argmax.shape == (rows,)
+        assert torch.equal(argmax, want_argmax)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+        tied = logits.clone()
+        for i in range(rows):
+            top = int(want_argmax[i])
+            for j in {top // 2, top + 1, top + 4096, vocab - 1}:  # before it, after it, a later chunk, the end
+                if 0 <= j < vocab:
+                    tied[i, j] = tied[i, top]
+        lse, argmax = ops.row_max_lse(tied)
+        want_lse, want_argmax = lse_and_max(tied)
+        assert torch.equal(argmax, want_argmax)
+        torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_max_lse_gives_torchs_answer_for_nan_and_infinite_rows(ops, threads):
+    """NaN rows (lse NaN, argmax the first NaN, as torch.max), rows of -inf only (lse -inf), rows holding +inf
+    (lse +inf, argmax the first +inf), banned tokens (-inf among finite logits), huge finite logits, among ordinary
+    rows, on 1 to 3 threads."""
+    vocab = 9001  # three chunks, the last one short
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(14, vocab, generator=g) * 5
+    nan, inf = math.nan, math.inf
+    logits[0, 3] = nan
+    logits[1, [8500, 8700]] = nan  # in the last chunk only
+    logits[2, [10, 5000]] = inf
+    logits[2, 6000] = nan  # a NaN after a +inf: still NaN
+    logits[3] = -inf
+    logits[4, [4100, 4200]] = inf  # +inf in the second chunk, ties included
+    logits[5, :] = -inf
+    logits[5, 9000] = inf
+    logits[6, ::2] = -inf  # banned tokens beside allowed ones
+    logits[7, :4096] = -inf  # a first chunk of -inf, the rest finite
+    logits[8, [1, 2]] = 3e38  # near float32's largest, and its negative
+    logits[8, 3] = -3e38
+    logits[9, :] = 0.0  # all equal: index 0
+    logits[10, -1] = nan  # the very last value
+    logits[12] = -inf
+    logits[12, 4321] = -1e30  # one finite logit among -inf: lse is that logit
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lse, argmax = ops.row_max_lse(logits)
+    finally:
+        torch.set_num_threads(saved)
+    want_lse, want_argmax = lse_and_max(logits)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6, equal_nan=True)
+    assert lse[0].isnan() and lse[1].isnan() and lse[2].isnan() and lse[10].isnan()
+    assert lse[3] == -inf and lse[4] == inf and lse[5] == inf and lse[12] == -1e30
+    some = torch.tensor([i != 3 for i in range(14)])  # a row of -inf only: its argmax is never used
+    assert torch.equal(argmax[some], want_argmax[some]), (argmax, want_argmax)
+    assert argmax.tolist()[:3] == [3, 8500, 6000] and argmax[4] == 4100  # row 2: its NaN, not its +inf
+
+
+def test_row_max_lse_reads_rows_by_their_stride_and_refuses_what_it_cannot_read(ops):
+    g = torch.Generator().manual_seed(8)
+    wide = torch.randn(6, 300, generator=g)
+    rows = wide[::2, 10:290]  # every other row, a column window: row stride 600, last dimension contiguous
+    lse, argmax = ops.row_max_lse(rows)
+    want_lse, want_argmax = lse_and_max(rows)
+    assert torch.equal(argmax, want_argmax)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    lse, argmax = ops.row_max_lse(torch.zeros(0, 50))
+    assert lse.shape == argmax.shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.row_max_lse(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        ops.row_max_lse(wide.t())
+    with pytest.raises(RuntimeError, match="at least one column"):
+        ops.row_max_lse(torch.zeros(3, 0))
+
+
+def sampler_case():
+    """Logits [8, 3001] and one sequence per row: greedy rows (one with a tie, one with +inf, one with a NaN, one of
+    -inf only, one under min_tokens whose EOS holds its maximum) and two sampled rows, seeded."""
+    from tinypaged.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(8, 3001, generator=g) * 3
+    logits[1, 2999] = logits[1].max()  # a tie: the first one is greedy's
+    logits[2, [7, 2000]] = math.inf
+    logits[3, 1234] = math.nan
+    logits[4] = -math.inf
+    logits[5, 2] = logits[5].max() + 1  # EOS (id 2), banned for a sequence short of min_tokens
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    params = [greedy] * 5 + [SamplingParams(temperature=0, max_tokens=10, min_tokens=3),
+                             SamplingParams(temperature=0.8, top_k=50, seed=1, max_tokens=10),
+                             SamplingParams(temperature=1.0, top_p=0.9, seed=2, max_tokens=10)]
+    seqs = [types.SimpleNamespace(params=p, output_token_ids=[5], generator=None) for p in params]
+    return logits, seqs
+
+
+def sample_once(logits, seqs):
+    from tinypaged.sampling.sampler import sample
+
+    return sample(logits, seqs, torch.Generator().manual_seed(3), eos_token_ids=(2,))
+
+
+def same_floats(a, b):
+    return len(a) == len(b) and all((x is None and y is None) or (x is not None and y is not None and (
+        (math.isnan(x) and math.isnan(y)) or math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-5))) for x, y in zip(a, b))
+
+
+def test_the_sampler_gives_the_same_tokens_logprobs_and_failures_with_and_without_it(ops, monkeypatch):
+    logits, seqs = sampler_case()
+    calls = []
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(ops, name)
+            return lambda *a: calls.append(name) or fn(*a)
+
+    monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
+    tokens, logprobs, failures = sample_once(logits, seqs)
+    assert calls == ["row_max_lse"]
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    want_tokens, want_logprobs, want_failures = sample_once(logits, seqs)
+    assert tokens == want_tokens and failures == want_failures
+    assert same_floats(logprobs, want_logprobs), (logprobs, want_logprobs)
+    assert sorted(failures) == [3, 4] and tokens[1] == int(logits[1].argmax()) and tokens[2] == 7
+    assert tokens[5] != 2 and math.isnan(logprobs[2])  # +inf: log p = inf - inf, torch's answer too
+    # a strided view of the same logits (not contiguous in its last dimension): the torch code runs, same answers
+    monkeypatch.setattr(cpu_native, "usable", lambda t: Counting() if t.dtype == torch.float32 else None)
+    calls.clear()
+    strided = logits.t().contiguous().t()
+    tokens, logprobs, failures = sample_once(strided, seqs)
+    assert calls == [] and tokens == want_tokens and failures == want_failures
+    assert same_floats(logprobs, want_logprobs)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_a_greedy_batch_gets_the_same_tokens_and_logprobs_with_and_without_it(ops, monkeypatch, rows):
+    """Every row greedy and none failing (a decode step's usual batch): the argmax and its log-probability."""
+    from tinypaged.sampling_params import SamplingParams
+
+    logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(rows)) * 4
+    seqs = [types.SimpleNamespace(params=SamplingParams(temperature=0, max_tokens=5), output_token_ids=[5],
+                                  generator=None) for _ in range(rows)]
+    tokens, logprobs, failures = sample_once(logits, seqs)
+    monkeypatch.setattr(cpu_native, "usable", lambda t: None)
+    want_tokens, want_logprobs, want_failures = sample_once(logits, seqs)
+    assert tokens == want_tokens == logits.argmax(-1).tolist() and failures == want_failures == {}
+    assert same_floats(logprobs, want_logprobs), (logprobs, want_logprobs)
+    torch.testing.assert_close(torch.tensor(logprobs), torch.log_softmax(logits, -1).max(-1).values,
+                               rtol=1e-5, atol=1e-5)

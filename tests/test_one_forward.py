@@ -309,3 +309,30 @@ def test_the_forward_reads_the_models_parts_at_every_step(monkeypatch):
         llm.llm_engine.model.load_state_dict(state)
     after = token_ids_of(fast.generate(prompt, greedy))
     assert after == token_ids_of(ref.generate(prompt, greedy)) and after != before
+
+
+def test_mkl_packed_products_equal_f_linear_for_every_row_count_they_take():
+    """A decode batch of ``MKL_MIN_ROWS``..``MKL_ROWS`` rows on an Intel CPU goes through MKL's packed copy of the
+    weight, padded to ``MKL_ROWS`` rows: the result is ``F.linear``'s (bias or not), ``len(x)`` contiguous rows, and
+    the packed copy is made again when the weight changes in place or is replaced."""
+    from tinypaged.model import fused
+
+    if not fused.MKL_PACKED:
+        pytest.skip("MKL's packed GEMM is used only with MKL on an Intel CPU")
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(80, 48, generator=g), torch.randn(80, generator=g)
+    packed = fused.PackedWeight()
+    for rows in range(fused.MKL_MIN_ROWS, fused.MKL_ROWS + 1):
+        for bias in (None, b):
+            x = torch.randn(rows, 48, generator=g)
+            y = fused.linear(x, w, bias, packed)
+            assert y.shape == (rows, 80) and y.is_contiguous()
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    first = packed.mkl_tensor
+    assert first is not None, "those row counts did not go through MKL's packed copy"
+    x = torch.randn(fused.MKL_ROWS, 48, generator=g)
+    w.mul_(3)
+    torch.testing.assert_close(fused.linear(x, w, b, packed), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert packed.mkl_tensor is not first
+    w = torch.randn(80, 48, generator=g)
+    torch.testing.assert_close(fused.linear(x, w, b, packed), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 What they are for: on a CPU a decode step's products stream the weights at the speed vLLM's do, but the rest of
 the step (RMSNorm, RoPE, SiLU-and-multiply, residual adds, attention) is some 1,000 small torch operators, each a
 few microseconds of dispatch. vLLM's CPU backend runs that work as compiled C++; ``ops()`` gives the fast path
-the same four operators (``torch.ops.tinypaged_cpu``):
+the same operators (``torch.ops.tinypaged_cpu``), and one for the sampler:
 
 * ``add_rms_norm(x, residual, weight, eps)``: ``x += residual`` in place, then RMSNorm (vLLM's ``fused_add_rms_norm``);
 * ``rope_(qkv, cos, signed_sin, heads)``: RoPE in place on the first ``heads`` heads;
@@ -12,11 +12,15 @@ the same four operators (``torch.ops.tinypaged_cpu``):
   (vLLM's ``reshape_and_cache``);
 * ``decode_attention(query, key_cache, value_cache, block_tables, context_lens, block_size, scale)``: decode
   attention reading the cache in place through each sequence's block table (block_size 1: a table of slots, from a
-  KV manager with its own), each key's row of all KV heads read once for every query head, the softmax online.
+  KV manager with its own), each key's row of all KV heads read once for every query head, the softmax online;
+* ``row_max_lse(logits)``: for each row of the sampler's logits, its log-sum-exp (torch.logsumexp's, NaN and -inf
+  rows included) and the first index of its maximum (torch.max's), in one read of the row (torch's logsumexp and
+  max read it several times between them).
 
 The model's forward calls them behind its own small functions (``add_rms_norm``, ``rotate_``, ``silu_mul`` in
-``tinypaged/model/llama.py``) and the "sdpa" backend's decode; other dtypes, GPUs and a learner's attention backend
-run the torch code. The build: where a C++ compiler (``$CXX``, ``c++`` or ``g++``) and torch's headers are found
+``tinypaged/model/llama.py``) and the "sdpa" backend's decode; the sampler calls ``row_max_lse``
+(``tinypaged/sampling/sampler.py``). Other dtypes, GPUs and a learner's attention backend run the torch code.
+The build: where a C++ compiler (``$CXX``, ``c++`` or ``g++``) and torch's headers are found
 on Linux, the first process that asks compiles the file with torch's own extension loader
 (``torch.utils.cpp_extension.load``, ninja; about 20 s on 2 cores) into ``<cache_dir>/cpu-ops-<hash>/`` (the
 hash covers the source, the flags, torch's version and this CPU), under a file lock so that concurrent processes
@@ -211,7 +215,10 @@ def why() -> str:
 
 
 def usable(t: torch.Tensor):
-    """The operators when they apply to ``t`` (float32 on a CPU), else None."""
-    if t.dtype != torch.float32 or t.device.type != "cpu":
+    """The operators when they apply to ``t`` (float32 on a CPU), else None.
+
+    A decode step asks this some 180 times: ``t.is_cpu`` is read rather than ``t.device.type``, which builds a
+    ``torch.device`` each time (0.7 against 0.25 us a call, measured)."""
+    if t.dtype != torch.float32 or not t.is_cpu:
         return None
     return ops()

@@ -17,6 +17,12 @@ from tinypaged import cpu_native
 from tinypaged.attention.backends import TorchBackend, paged_context_slots
 
 
+def _rows_packed(t: torch.Tensor) -> bool:
+    """Whether each token's heads lie side by side in ``t`` [tokens, heads, head_dim] (the layout ``write_kv``
+    reads; the key and value views into a fused qkv output have it). One ``stride()`` read: it runs twice a layer."""
+    return t.stride()[-2:] == (t.shape[-1], 1)
+
+
 class SDPABackend(TorchBackend):
     """``attention_backend="sdpa"``: ``TorchBackend``'s slots and masks, torch's fused
     attention kernel. Keys a query may not see (past its context, or after it in a prefill) are masked."""
@@ -30,7 +36,7 @@ class SDPABackend(TorchBackend):
         # build; a -1 would fail loudly here (index out of range), never write a wrong slot
         native = cpu_native.usable(key)
         if (native is not None and key_cache.dtype == torch.float32 and slot_mapping.dtype == torch.long
-                and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))):
+                and _rows_packed(key) and _rows_packed(value)):
             native.write_kv(key_cache, value_cache, key, value, slot_mapping)  # one C++ call for both
             return
         key_cache.index_copy_(0, slot_mapping, key)

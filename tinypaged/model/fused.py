@@ -1,4 +1,4 @@
-"""The engine's products: fused projections and oneDNN GEMMs (same maths, fewer and faster kernels).
+"""The engine's products: fused projections, oneDNN and MKL GEMMs (same maths, fewer and faster kernels).
 
 What ``tinypaged.model.llama``'s forward calls for its matrix products, each what vLLM does in its own way:
 
@@ -17,6 +17,11 @@ What ``tinypaged.model.llama``'s forward calls for its matrix products, each wha
   weight faster than oneDNN streams its blocked copy, so ``linear`` sends those products there (a course-only
   choice: vLLM's CPU backend calls oneDNN at every row count). On other CPUs MKL takes slower code paths and
   oneDNN wins at every row count (``GEMV_ROWS`` is 0 there).
+* **MKL's packed GEMM for a full decode batch** (9 to 16 rows, Intel CPUs with MKL; ``mkl_packed_linear``): MKL's
+  own copy of the weight packed for 16-row products (``cblas_sgemm_pack``, torch's ``mkl._mkl_linear``, which
+  inductor emits for a float32 linear) streams faster still: a SmolLM2-135M step's products took 37-40 ms at 16
+  rows against oneDNN's 46-47 ms (measured 2026-12-04 on the project's 2-core Xeon). A course-only choice too: it
+  is what lets the eager forward beat vLLM's CPU build on the same cores (docs/RESULTS.md).
 
 The element-wise operators (add-and-norm, RoPE, SiLU-and-multiply) live beside the model that calls them
 (``tinypaged.model.llama``); attention is the step's backend (``tinypaged.attention``).
@@ -58,6 +63,7 @@ class FusedLinear(nn.Module):
 
 
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if ONEDNN else None  # (x, weight, bias, "none", [], "")
 
 
 PACK_ROWS = 32  # the batch size oneDNN's blocked layout is chosen for (vLLM's CPU backend passes 32 too)
@@ -74,13 +80,21 @@ class PackedWeight:
 
     def __init__(self):
         self.key, self.tensor = None, None
+        self.mkl_key, self.mkl_tensor = None, None  # MKL's packed copy, for ``mkl_packed_linear``: the same invariant
 
     def of(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, weight.shape)  # a torch.Size is a tuple: no copy to make
         if key != self.key:
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self.key = key
         return self.tensor
+
+    def for_mkl(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version, weight.shape)
+        if key != self.mkl_key:
+            self.mkl_tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MKL_ROWS)
+            self.mkl_key = key
+        return self.mkl_tensor
 
 
 def mkl_on_intel() -> bool:
@@ -106,22 +120,51 @@ def mkl_on_intel() -> bool:
 GEMV_ROWS = 3 if mkl_on_intel() else 0
 
 
+# MKL's packed GEMM (``cblas_sgemm_pack`` / ``cblas_sgemm_compute``, torch's ``mkl._mkl_linear``; what inductor emits
+# for a float32 linear on an MKL build) for decode batches of MKL_MIN_ROWS to MKL_ROWS rows on an Intel CPU: a
+# SmolLM2-135M step's 121 products (30 layers' distinct weights and the lm_head, read from memory as in a real step)
+# took 37.4-40.4 ms at 16 rows against oneDNN's blocked copy's 45.7-47.2 ms, and 40.4 against 39.2 ms at 8 rows
+# (this project's 2-core Xeon, 2026-12-04, 22:40 UTC). The copy is packed for exactly MKL_ROWS rows: torch multiplies
+# by it only when the input has that many (any other count falls back to the plain weight, 2x slower), so a smaller
+# batch is padded with zero rows, whose products cost little in a step bound by reading the weights. The packed copy
+# is one more copy of every weight (made at the first such batch, or at warm-up).
+MKL_ROWS = 16
+MKL_MIN_ROWS = 9
+MKL_PACKED = GEMV_ROWS > 0 and hasattr(torch.ops.mkl, "_mkl_linear")  # MKL on an Intel CPU (as GEMV_ROWS)
+_MKL_LINEAR = torch.ops.mkl._mkl_linear.default if MKL_PACKED else None  # (x, packed, weight, bias, rows)
+
+
+def mkl_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      packed: PackedWeight) -> torch.Tensor:
+    """``x @ weight.T + bias`` for 1..``MKL_ROWS`` rows of ``x`` through MKL's packed copy of ``weight`` (``x`` padded
+    to ``MKL_ROWS`` rows; the result is the first ``len(x)`` rows, contiguous)."""
+    rows = x.shape[0]
+    if rows < MKL_ROWS:
+        x = F.pad(x, (0, 0, 0, MKL_ROWS - rows))
+    return _MKL_LINEAR(x, packed.for_mkl(weight), weight, bias, MKL_ROWS)[:rows]
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """``F.linear`` (x @ weight.T + bias); float32 on a CPU with more than ``GEMV_ROWS`` rows goes to oneDNN's
     GEMM (what vLLM's CPU backend and inductor's CPU linears call), which computes a decode step's products in
     well under the CPU time of the default BLAS call from 4 rows up, on ``packed``'s blocked copy of the weight
-    when one is given. At 1 to 3 rows (the last requests of a batch, a lone chat) on an Intel CPU, MKL's
+    when one is given; ``MKL_MIN_ROWS``..``MKL_ROWS`` rows with a ``packed`` weight on an Intel CPU go to MKL's
+    packed GEMM instead (``mkl_packed_linear``). At 1 to 3 rows (the last requests of a batch, a lone chat) on an Intel CPU, MKL's
     matrix-vector kernels stream the plain weight faster: a SmolLM2 step's 121 products took 21.6 / 23.2 ms that
     way against 29.6 / 30.0 ms through oneDNN's blocked copy at 1 / 2 rows (stop 38's machine, whose CPU model
     was not recorded; MKL's speed there points to an Intel part). On an AMD EPYC (2026-12-02, 18:30 UTC) the
     same call took 47.6-52.1 / 83.7-100.7 / 104.3-124.8 ms at 1 / 2 / 3 rows against oneDNN's 25.8-35.0 /
     28.2-37.0 / 28.3-42.8 ms: MKL runs slower code paths on other vendors' CPUs, so ``GEMV_ROWS`` is 0 there.
     Other dtypes (oneDNN takes no float64) and devices: ``F.linear``."""
-    if ONEDNN and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > GEMV_ROWS:
+    # about 120 calls a decode step, each between two weight streams: the cheapest reads (``x.is_cpu``, not
+    # ``x.device.type``, which builds a torch.device each time) and oneDNN's operator resolved once at import
+    if ONEDNN and x.dtype == torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[0] > GEMV_ROWS:
         if packed is not None and weight.dtype == torch.float32:
+            if MKL_PACKED and MKL_MIN_ROWS <= x.shape[0] <= MKL_ROWS:  # a decode batch of 9-16 rows on Intel
+                return mkl_packed_linear(x, weight, bias, packed)
             weight = packed.of(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

@@ -65,8 +65,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose product is the engine's GEMM (``fused.linear``: oneDNN on a prepacked weight for float32
-    on a CPU, as vLLM's CPU backend; ``F.linear`` elsewhere). Same parameters and names as ``nn.Linear``."""
+    """``nn.Linear`` whose product is the engine's GEMM (``fused.linear``: oneDNN or MKL on a prepacked weight for
+    float32 on a CPU, as vLLM's CPU backend; ``F.linear`` elsewhere). Same parameters and names as ``nn.Linear``."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -152,13 +152,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, signed_sin, ctx) -> torch.Tensor:
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is None:  # as the checkpoint stores them: three products
+        qkv_proj = self.qkv_proj  # read once (None until fused: a plain attribute then, not yet a submodule)
+        if qkv_proj is None:  # as the checkpoint stores them: three products
             qkv = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         else:  # the same three products as one GEMM on the stacked weights (vLLM's QKVParallelLinear)
-            qkv = self.qkv_proj(x)
+            qkv = qkv_proj(x)
         qkv = qkv.view(n, h + 2 * kvh, d)
         rotate_(qkv, h + kvh, cos, signed_sin)  # RoPE on the query and key heads, in place
-        q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+        q, k, v = qkv.split_with_sizes((h, kvh, kvh), dim=1)  # three views in one call: half three slicings' time
         out = self.attn(q, k, v, ctx)  # writes k, v into the cache, then attends
         return self.o_proj(out.reshape(n, h * d))
 
@@ -173,10 +174,11 @@ class MLP(nn.Module):
         self.gate_up_proj = None  # once fused: one GEMM over [gate; up] (vLLM's MergedColumnParallelLinear)
 
     def forward(self, x):
-        if self.gate_up_proj is None:
+        gate_up_proj = self.gate_up_proj  # read once; None until fused
+        if gate_up_proj is None:
             gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
         else:
-            gate_up = self.gate_up_proj(x)
+            gate_up = gate_up_proj(x)
         return self.down_proj(silu_mul(gate_up))
 
 

@@ -10,8 +10,11 @@ strings are text: the output processor searches them after the step (``tinypaged
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from tinypaged import cpu_native
 from tinypaged.sequence import FinishReason
 
 
@@ -81,17 +84,22 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
     ``failures`` maps the index of each row that could not be sampled to the reason; such a row's
     token and log-probability are None, and the other rows are unaffected."""
     logits = ban_bad_words(allow_only(suppress_early_stops(logits.float().cpu(), seqs, eos_token_ids), seqs), seqs)
-    # one pass over the vocabulary answers both checks and gives the log-probabilities: log p(t) = logit(t) -
-    # logsumexp(row); a row holding a NaN has a NaN logsumexp, a row whose every logit is -inf has -inf
-    lse = torch.logsumexp(logits, dim=-1)
-    has_nan = torch.isnan(lse).tolist()
-    all_banned = torch.isneginf(lse).tolist()
-    # torch.max's indices are argmax's (the first of equal maxima), in a third of argmax's time on a CPU
-    greedy = logits.max(dim=-1).indices.tolist() if any(seq.params.greedy for seq in seqs) else None
+    # logsumexp answers both checks and gives the log-probabilities: log p(t) = logit(t) - logsumexp(row); a row
+    # holding a NaN has a NaN logsumexp, a row whose every logit is -inf has -inf
+    any_greedy = any(seq.params.greedy for seq in seqs)
+    native = cpu_native.usable(logits) if logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] else None
+    if native is not None:  # the C++ operator (float32 on a CPU): logsumexp and argmax in one read of each row
+        lse, argmax = native.row_max_lse(logits)
+    else:
+        lse = torch.logsumexp(logits, dim=-1)
+        # torch.max's indices are argmax's (the first of equal maxima), in a third of argmax's time on a CPU
+        argmax = logits.max(dim=-1).indices if any_greedy else None
+    greedy = argmax.tolist() if any_greedy else None
+    row_lse = lse.tolist()  # the checks in Python: one copy out, not an isnan and an isneginf with a copy each
     tokens, failures = [], {}
     for i, seq in enumerate(seqs):
-        if has_nan[i] or all_banned[i]:
-            failures[i] = ("the model's logits hold NaN" if has_nan[i] else
+        if math.isnan(row_lse[i]) or row_lse[i] == -math.inf:
+            failures[i] = ("the model's logits hold NaN" if math.isnan(row_lse[i]) else
                            "every token's logit is -inf, so no token can be sampled")
         elif seq.params.greedy:
             tokens.append(greedy[i])
@@ -103,7 +111,8 @@ def sample(logits: torch.Tensor, seqs, engine_generator: torch.Generator,
             except RuntimeError as e:  # e.g. torch.multinomial refusing a distribution
                 failures[i] = f"sampling failed: {e}"
         tokens.append(None)
-    picked = torch.tensor([0 if t is None else t for t in tokens], dtype=torch.long)
+    # the picks equal the argmax (every row greedy and none failed: a greedy batch's usual step): reuse its tensor
+    picked = argmax if tokens == greedy else torch.tensor([0 if t is None else t for t in tokens], dtype=torch.long)
     logprobs = (logits.gather(1, picked[:, None])[:, 0] - lse).tolist()
     chosen = [None if t is None else lp for t, lp in zip(tokens, logprobs)]
     return tokens, chosen, failures

@@ -102,7 +102,7 @@ class Scheduler:
         its ``kv`` and applies its plan. Nobody calls back: scheduler -> adapter -> step -> adapter -> KV manager."""
         return StepKV(self, self.order.waiting_order(self)).run(self.step.plan, self.order.rank_running)
 
-    # -- actions (the adapter's, and a subclass's form_step) -----------------------------------------------------------------
+    # -- actions (the adapter's, and a subclass's form_step) ---------------------------------------------------
     def prefix_hit(self, seq) -> list:
         """Cached blocks holding the start of ``seq`` (empty unless prefix caching finds some)."""
         return self.kv.get_computed_blocks(seq)
