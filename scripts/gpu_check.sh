@@ -13,7 +13,8 @@
 #      absent (as on the H200 machine: tinypaged/course/nbval_plugin.py), never as failed.
 #   2. grading: every solution must get full marks, every untouched exercise none
 #   3. benchmarks/bench_gpu_throughput.py: tinypaged vs transformers generate_batch, SmolLM2-1.7B's shapes
-#   4. tests/test_kernels.py + tests/test_triton_backend.py, compiled (the CPU runs them in the interpreter),
+#   4. tests/test_kernels.py + tests/test_triton_backend.py + tests/test_fused_elementwise.py, compiled (the CPU
+#      runs them in the interpreter),
 #      tests/test_cuda_graphs.py (CUDA-graph decode against eager),
 #      and tests/test_gpu_sizing.py (KV sizing from gpu_memory_utilization)
 #   5. benchmarks/bench_paged_attention.py --quick (pass --full to this script for the whole sweep)
@@ -108,7 +109,7 @@ FIGURES=()
 
 # Each step's time limit (seconds), in the order they run.
 ORDER=(nbval grading gpu_throughput kernel_tests benchmark)
-declare -A MAX=([nbval]=240 [grading]=80 [gpu_throughput]=150 [kernel_tests]=90 [benchmark]=60)
+declare -A MAX=([nbval]=240 [grading]=80 [gpu_throughput]=150 [kernel_tests]=120 [benchmark]=60)
 
 # run_step NAME CMD...: run CMD with a limit of MAX[NAME], cut down so that the selected steps after it
 # keep half of theirs. Steps not in GPU_CHECK_STEPS are left out.
@@ -236,7 +237,7 @@ fig=$(sed -n '/^random Llama/,/^figures written/p' "$LOG_DIR/gpu_throughput.log"
 [[ -n $fig ]] && FIGURES+=("$fig")
 
 # -- 4-5. the kernel: compiled tests, then the benchmark
-run_step kernel_tests "$PY" -m pytest tests/test_kernels.py tests/test_triton_backend.py tests/test_gpu_sizing.py tests/test_cuda_graphs.py -q -rs -p no:randomly
+run_step kernel_tests "$PY" -m pytest tests/test_kernels.py tests/test_triton_backend.py tests/test_fused_elementwise.py tests/test_gpu_sizing.py tests/test_cuda_graphs.py -q -rs -p no:randomly
 run_step benchmark "$PY" benchmarks/bench_paged_attention.py "${BENCH_ARGS[@]}"
 fig=$(grep -h '^summary:' "$LOG_DIR/benchmark.log" 2>/dev/null | sed 's/^summary: /  /')
 [[ -n $fig ]] && FIGURES+=("$fig")

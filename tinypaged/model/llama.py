@@ -8,11 +8,13 @@ context is what changes from stage to stage (contiguous arena, block table, Trit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from tinypaged import cpu_native
+from tinypaged import cpu_native, triton_mode
 from tinypaged.model import fused
 
 
@@ -26,8 +28,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # -- the three element-wise operators of a layer, each one call --------------------------------------------------
 # Each is the maths in torch, or one C++ call where tinypaged's CPU operators apply (float32 on a CPU where they
-# were built: tinypaged/cpu_native.py), as vLLM's layers call its own kernels (fused_add_rms_norm, rotary_embedding,
-# silu_and_mul). Same numbers within float32 rounding (tests/test_cpu_native.py).
+# were built: tinypaged/cpu_native.py), or one Triton kernel on a CUDA device (kernels/fused_elementwise.py), as
+# vLLM's layers call its own kernels (fused_add_rms_norm, rotary_embedding, silu_and_mul). Same numbers within
+# rounding (tests/test_cpu_native.py, tests/test_fused_elementwise.py).
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the fused kernels take (float32 maths)
+
+
+@functools.cache
+def _kernels():
+    """``tinypaged.kernels``, imported on first use, so that a CPU run never imports Triton (pyproject.toml's
+    import-linter contract names this import: the graph reads it as one of the package's top, as the attention
+    backends' import of the kernels)."""
+    import tinypaged.kernels
+
+    return tinypaged.kernels
+
+
+def fused_kernels(t: torch.Tensor):
+    """``tinypaged.kernels`` when its fused Triton kernels apply to ``t`` (a CUDA tensor of a dtype they take, with
+    Triton installed), else None. Reads only the tensor's device and dtype (never its values): safe while a CUDA
+    graph is being captured."""
+    if not t.is_cuda or not triton_mode.AVAILABLE or t.dtype not in _TRITON_DTYPES:
+        return None
+    return _kernels()
+
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of ``x``; with ``residual`` given, ``x += residual`` first, in place (vLLM's fused add-norm: the
@@ -35,6 +60,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     native = cpu_native.usable(x)
     if native is not None:
         return native.add_rms_norm(x, residual, weight, eps)
+    kernels = fused_kernels(x)
+    if kernels is not None:
+        return kernels.add_rms_norm_triton(x, residual, weight, eps)
     if residual is not None:
         x.add_(residual)
     if x.dtype == torch.float32:
@@ -51,6 +79,10 @@ def rotate_(x: torch.Tensor, heads: int, cos: torch.Tensor, signed_sin: torch.Te
     if native is not None:
         native.rope_(x, cos, signed_sin, heads)
         return
+    kernels = fused_kernels(x)
+    if kernels is not None:
+        kernels.rope_triton_(x, heads, cos, signed_sin)
+        return
     part = x[:, :heads]
     part.copy_(torch.addcmul(part * cos[:, None], part.roll(x.shape[-1] // 2, dims=-1), signed_sin[:, None]))
 
@@ -60,6 +92,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     native = cpu_native.usable(gate_up)
     if native is not None:
         return native.silu_mul(gate_up)
+    kernels = fused_kernels(gate_up)
+    if kernels is not None:
+        return kernels.silu_mul_triton(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
