@@ -82,15 +82,19 @@ class PackedWeight:
         self.key, self.tensor = None, None
         self.mkl_key, self.mkl_tensor = None, None  # MKL's packed copy, for ``mkl_packed_linear``: the same invariant
 
+    @staticmethod
+    def key_of(weight: torch.Tensor) -> tuple:
+        return weight.data_ptr(), weight._version, weight.shape  # a torch.Size is a tuple: no copy to make
+
     def of(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, weight.shape)  # a torch.Size is a tuple: no copy to make
+        key = self.key_of(weight)
         if key != self.key:
             self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
             self.key = key
         return self.tensor
 
     def for_mkl(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version, weight.shape)
+        key = self.key_of(weight)
         if key != self.mkl_key:
             self.mkl_tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), MKL_ROWS)
             self.mkl_key = key

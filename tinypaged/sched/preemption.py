@@ -36,13 +36,12 @@ def recompute_stuck_swapped(sched) -> None:
                    "recomputing its sequences one by one", group[0].request_id, len(group))
 
 
-def preempt(sched, seq: Sequence, requeue: bool = True) -> list[Sequence]:
-    """Preempt ``seq`` now: ``release`` its memory, then ``settle`` the queues. Returns who was preempted; with
-    ``requeue=False`` the caller puts them back with ``requeue_group`` later."""
+def preempt(sched, seq: Sequence) -> list[Sequence]:
+    """Preempt ``seq`` now (a scheduler acting by itself, ``Scheduler.preempt``): ``release`` its memory, ``settle``
+    the queues, and put the group back at the front of its queue. Returns who was preempted."""
     group, swapped = release(sched, seq)
     settle(sched, group, swapped)
-    if requeue:
-        requeue_group(sched, group)
+    requeue_group(sched, group)
     return group
 
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 from collections import deque
 
 from tinypaged.kv.radix_cache import node_tokens, tree_nodes
+from tinypaged.sched.policies import FcfsOrder
 
 ORDERS = ("lpm", "dfs-weight", "fcfs")
 
 
-class CacheAwareOrder:
+class CacheAwareOrder(FcfsOrder):
     """A ``WaitingOrder``: ``LLM(scheduling_policy=CacheAwareOrder(order))``, ``order`` a name or a learner's function
-    (``scheduling_policy="lpm"`` names ``CacheAwareOrder("lpm")``)."""
+    (``scheduling_policy="lpm"`` names ``CacheAwareOrder("lpm")``). Running requests keep fcfs's admission order
+    (SGLang orders only the waiting queue)."""
 
     def __init__(self, order: str = "lpm", fcfs_above: int = 128):
         if not callable(order) and order not in ORDERS:
@@ -53,10 +55,6 @@ class CacheAwareOrder:
         if [s.seq_id for s in ordered] != [s.seq_id for s in arrived]:
             self.num_reordered += 1
         return deque(ordered + [s for s in queue if not sched.arrived(s)])
-
-    def rank_running(self, running: list) -> list:
-        """Running requests keep admission order (SGLang orders only the waiting queue)."""
-        return running
 
     def rank(self, sched, arrived: list) -> list:
         cached = lambda s: sched.hit_tokens(sched.prefix_hit(s))  # noqa: E731
